@@ -1,0 +1,89 @@
+"""Chained, process-stable block hashes.
+
+A block's hash commits to every token before it (the previous block's hash is chained in), to the request's
+salt (tenant) and extra keys, and to a *root* that fingerprints the KV layout and the model, so caches of
+incompatible layouts can never match. Hashes are sha256 over canonical bytes; they never use Python's
+``hash()`` and are therefore identical across processes and ``PYTHONHASHSEED`` values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from ._errors import InvalidArgumentError, InvalidTypeError
+
+__all__ = ["NONE_ROOT", "block_hashes", "make_root"]
+
+_DOMAIN = b"aiokv/block/v1"
+NONE_ROOT = hashlib.sha256(b"aiokv/root/v1").digest()
+"""The root used when no layout fingerprint is given (tests, replay of token traces)."""
+
+
+def _canon(value: object) -> bytes:
+    """Canonical, type-tagged bytes for the small set of values allowed in salts and extra keys."""
+    if value is None:
+        return b"N"
+    if isinstance(value, bool):
+        return b"B1" if value else b"B0"
+    if isinstance(value, int):
+        raw = value.to_bytes((value.bit_length() + 8) // 8 or 1, "little", signed=True)
+        return b"I" + struct.pack("<I", len(raw)) + raw
+    if isinstance(value, str):
+        raw = value.encode("utf-8")
+        return b"S" + struct.pack("<I", len(raw)) + raw
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        return b"Y" + struct.pack("<I", len(raw)) + raw
+    if isinstance(value, (tuple, list)):
+        return b"T" + struct.pack("<I", len(value)) + b"".join(_canon(v) for v in value)
+    raise InvalidTypeError(
+        f"hash keys must be None, bool, int, str, bytes or tuples of them, got {type(value).__name__}"
+    )
+
+
+def make_root(fingerprint: bytes = b"", model_id: str | None = None) -> bytes:
+    """Root hash mixing a layout fingerprint and an optional model id."""
+    return hashlib.sha256(b"aiokv/root/v1" + _canon(bytes(fingerprint)) + _canon(model_id)).digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    salt: object = None,
+    extra_keys: Sequence[object] = (),
+    root: bytes = NONE_ROOT,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Return the chained hash of every *full* block of ``token_ids``.
+
+    ``hashes[i]`` identifies the prefix ``token_ids[: (i + 1) * block_size]`` together with ``salt``,
+    ``extra_keys`` and ``root``. A trailing partial block gets no hash. ``parent`` continues an existing chain
+    (the hash of the block just before ``token_ids``), which lets callers hash incrementally.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+    if not isinstance(root, (bytes, bytearray)) or len(root) != 32:
+        raise InvalidArgumentError("root must be 32 bytes (see aiokv.make_root)")
+    n_full = len(token_ids) // block_size
+    if n_full == 0:
+        return []
+    if parent is None:
+        prev = hashlib.sha256(_DOMAIN + bytes(root) + _canon(salt) + _canon(tuple(extra_keys))).digest()
+    else:
+        if len(parent) != 32:
+            raise InvalidArgumentError("parent must be a 32-byte block hash")
+        prev = bytes(parent)
+    try:
+        packed = struct.pack(f"<{n_full * block_size}q", *token_ids[: n_full * block_size])
+    except struct.error as exc:
+        raise InvalidArgumentError(f"token_ids must be ints in the int64 range ({exc})") from None
+    stride = block_size * 8
+    out: list[bytes] = []
+    sha = hashlib.sha256
+    for i in range(n_full):
+        prev = sha(prev + packed[i * stride : (i + 1) * stride]).digest()
+        out.append(prev)
+    return out

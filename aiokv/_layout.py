@@ -1,0 +1,239 @@
+"""The engine's paged KV tensors, described once: shapes, strides, bytes per block, fingerprint.
+
+A *block* is index ``b`` along ``block_dim`` of every tensor. For the CPU tier a block of all tensors is packed
+into one contiguous *slot* of :attr:`KVLayout.slot_bytes` bytes: tensor by tensor, and within a tensor the
+``outer`` segments (indices of the dimensions before ``block_dim``) in row-major order, each
+``inner_bytes`` long. Segments are what the copy kernels move.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ._errors import BlockRangeError, InvalidArgumentError, InvalidLayoutError, InvalidTypeError
+from ._hashing import make_root
+
+__all__ = ["KVLayout", "TensorSpec"]
+
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """How one engine tensor's block maps into a slot."""
+
+    outer: int  # number of segments per block (product of dims before block_dim)
+    inner_bytes: int  # bytes of one segment (product of dims after block_dim, times itemsize)
+    slot_offset: int  # where this tensor's segments start within a slot
+    block_stride: int  # bytes between block b and b+1
+    outer_strides: tuple[int, ...]  # byte strides of the dims before block_dim
+    outer_shape: tuple[int, ...]
+
+
+def _flatten_tensors(tensors: object) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    if isinstance(tensors, dict):
+        tensors = list(tensors.values())
+    if not isinstance(tensors, Iterable):
+        raise InvalidTypeError(f"tensors must be a tensor or a list of tensors, got {type(tensors).__name__}")
+    out: list[torch.Tensor] = []
+    for item in tensors:
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in item):
+            out.extend(item)  # one (k, v) pair per layer
+        else:
+            raise InvalidTypeError(f"tensors must contain torch.Tensor objects, got {type(item).__name__}")
+    return out
+
+
+class KVLayout:
+    """The engine's paged KV cache: one or more tensors per layer sharing a block dimension.
+
+    >>> k = torch.zeros(64, 16, 8, 128); v = torch.zeros_like(k)
+    >>> layout = KVLayout([k, v], block_size=16)          # vLLM layout: (num_blocks, block_size, heads, dim)
+
+    ``block_size`` is the number of tokens per block; ``block_dim`` the dimension indexing blocks (0 for vLLM's
+    per-layer K and V tensors, 1 for a stacked ``(2, num_blocks, ...)`` tensor). ``model_id`` is mixed into the
+    hash root so caches of different models never match.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor] | torch.Tensor,
+        block_size: int = 16,
+        block_dim: int = 0,
+        *,
+        model_id: str | None = None,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+        if isinstance(block_dim, bool) or not isinstance(block_dim, int) or block_dim < 0:
+            raise InvalidArgumentError(f"block_dim must be a non-negative int, got {block_dim!r}")
+        flat = _flatten_tensors(tensors)
+        if not flat:
+            raise InvalidLayoutError("tensors must contain at least one tensor")
+        device = flat[0].device
+        if device.type not in ("cpu", "cuda"):
+            raise InvalidLayoutError(f"tensors must be on a cpu or cuda device, got {device}")
+        num_blocks = -1
+        specs: list[TensorSpec] = []
+        offset = 0
+        fp = hashlib.sha256(b"aiokv/layout/v1")
+        fp.update(f"block_size={block_size};block_dim={block_dim};n={len(flat)};".encode())
+        for i, t in enumerate(flat):
+            if t.device != device:
+                raise InvalidLayoutError(f"tensors must share one device: tensors[{i}] is on {t.device}, tensors[0] on {device}")
+            if t.dim() <= block_dim:
+                raise InvalidLayoutError(
+                    f"tensors[{i}] has {t.dim()} dims; block_dim={block_dim} needs at least {block_dim + 1}"
+                )
+            if t.is_sparse or t.is_quantized or t.dtype == torch.bool:
+                raise InvalidLayoutError(f"tensors[{i}] must be a dense numeric tensor, got {t.dtype}")
+            n = int(t.shape[block_dim])
+            if num_blocks < 0:
+                num_blocks = n
+            elif n != num_blocks:
+                raise InvalidLayoutError(
+                    f"tensors must have the same number of blocks along block_dim={block_dim}: "
+                    f"tensors[{i}] has {n}, tensors[0] has {num_blocks}"
+                )
+            esize = t.element_size()
+            shape = tuple(int(s) for s in t.shape)
+            strides = tuple(int(s) for s in t.stride())
+            # The part of a block after block_dim must be one contiguous run of bytes.
+            expect = 1
+            for d in range(t.dim() - 1, block_dim, -1):
+                if shape[d] != 1 and strides[d] != expect:
+                    raise InvalidLayoutError(
+                        f"tensors[{i}] must be contiguous in the dims after block_dim={block_dim} "
+                        f"(shape {list(shape)}, stride {list(strides)})"
+                    )
+                expect *= shape[d]
+            inner_elems = math.prod(shape[block_dim + 1 :])
+            inner_bytes = inner_elems * esize
+            outer_shape = shape[:block_dim]
+            outer = math.prod(outer_shape)
+            specs.append(
+                TensorSpec(
+                    outer=outer,
+                    inner_bytes=inner_bytes,
+                    slot_offset=offset,
+                    block_stride=strides[block_dim] * esize,
+                    outer_strides=tuple(s * esize for s in strides[:block_dim]),
+                    outer_shape=outer_shape,
+                )
+            )
+            offset += outer * inner_bytes
+            per_block_shape = shape[:block_dim] + shape[block_dim + 1 :]
+            fp.update(f"[{t.dtype}:{list(per_block_shape)}]".encode())
+        if num_blocks <= 0:
+            raise InvalidLayoutError("tensors must have at least one block")
+        if offset == 0:
+            raise InvalidLayoutError("a block must hold at least one byte")
+        self.tensors: tuple[torch.Tensor, ...] = tuple(flat)
+        self.block_size = block_size
+        self.block_dim = block_dim
+        self.num_blocks = num_blocks
+        self.device = device
+        self.model_id = model_id
+        self.specs: tuple[TensorSpec, ...] = tuple(specs)
+        self.slot_bytes = offset
+        if model_id is not None:
+            fp.update(b"model=" + model_id.encode())
+        self.fingerprint = fp.digest()
+        self.root = make_root(self.fingerprint, model_id)
+        self._seg_cache: tuple[Int64Array, Int64Array, Int64Array] | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.slot_bytes // self.block_size
+
+    def describe(self) -> str:
+        dtypes = sorted({str(t.dtype) for t in self.tensors})
+        return (
+            f"{len(self.tensors)} tensors x {self.num_blocks} blocks of {self.block_size} tokens, "
+            f"{self.slot_bytes} bytes/block, {','.join(dtypes)} on {self.device}"
+        )
+
+    def __repr__(self) -> str:
+        return f"KVLayout({self.describe()})"
+
+    # ----------------------------------------------------------------- validation
+    def check_block_ids(self, block_ids: Any, name: str = "block_ids") -> list[int]:
+        """Validate engine block ids: ints in ``[0, num_blocks)``, no duplicates. Returns a list of ints."""
+        if isinstance(block_ids, torch.Tensor):
+            block_ids = block_ids.tolist()
+        elif isinstance(block_ids, np.ndarray):
+            block_ids = block_ids.tolist()
+        try:
+            ids = [int(b) for b in block_ids]
+        except TypeError:
+            raise InvalidTypeError(f"{name} must be a sequence of ints, got {type(block_ids).__name__}") from None
+        for b, raw in zip(ids, block_ids):
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise InvalidTypeError(f"{name} must contain ints, got {raw!r}")
+            if b < 0 or b >= self.num_blocks:
+                raise BlockRangeError(f"{name} must be in [0, {self.num_blocks}), got {b}")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError(f"{name} must not contain duplicates, got {ids}")
+        return ids
+
+    # ------------------------------------------------------------ CPU copy plans
+    def _segments(self) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """Per segment of a block: address of block 0's segment, its length, its offset in a slot."""
+        if self._seg_cache is None:
+            bases: list[int] = []
+            lens: list[int] = []
+            offs: list[int] = []
+            for t, spec in zip(self.tensors, self.specs):
+                base = t.data_ptr()
+                off = spec.slot_offset
+                for outer_idx in np.ndindex(*spec.outer_shape) if spec.outer_shape else [()]:
+                    seg = base + sum(i * s for i, s in zip(outer_idx, spec.outer_strides))
+                    bases.append(seg)
+                    lens.append(spec.inner_bytes)
+                    offs.append(off)
+                    off += spec.inner_bytes
+            self._seg_cache = (
+                np.asarray(bases, dtype=np.int64),
+                np.asarray(lens, dtype=np.int64),
+                np.asarray(offs, dtype=np.int64),
+            )
+        return self._seg_cache
+
+    def block_strides(self) -> Int64Array:
+        """Per segment: bytes between consecutive blocks."""
+        strides: list[int] = []
+        for spec in self.specs:
+            strides.extend([spec.block_stride] * spec.outer)
+        return np.asarray(strides, dtype=np.int64)
+
+    def copy_plan(
+        self, block_ids: Sequence[int], slot_ids: Sequence[int], buffer_addr: int
+    ) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """Addresses for copying engine blocks ``block_ids[i]`` <-> host slots ``slot_ids[i]``.
+
+        Returns ``(engine_addrs, slot_addrs, nbytes)``, ordered slot by slot so the host side is sequential.
+        """
+        bases, lens, offs = self._segments()
+        strides = self.block_strides()
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        slots = np.asarray(slot_ids, dtype=np.int64)
+        engine = (bases[None, :] + blocks[:, None] * strides[None, :]).ravel()
+        host = (buffer_addr + slots[:, None] * self.slot_bytes + offs[None, :]).ravel()
+        nbytes = np.broadcast_to(lens, (len(blocks), len(lens))).ravel().copy()
+        return engine, host, nbytes

@@ -1,0 +1,418 @@
+"""The per-request state machine.
+
+Each request is a coroutine (one asyncio task) that consumes the request's events in order: block-full stores
+(from :meth:`Request.step`), lookup, load, finish, preempt and abort. The public methods validate their
+arguments synchronously, update the request's bookkeeping (token list, block table) and enqueue an event;
+the awaitable ones resolve when the task has processed that event *and every earlier one*.
+
+The guarantee engines rely on: ``finish()``, ``preempt()`` and ``abort()`` resolve only after every copy that
+reads or writes this request's engine blocks has completed. Copies are represented by
+:class:`~aiokv.TransferFuture` objects that exist only once the copy is on its stream, and the task awaits all
+of them, so an engine that returns blocks to its free pool when these calls resolve cannot reuse a block
+under a copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import deque
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._errors import InvalidArgumentError, InvalidTypeError, RequestStateError
+from ._hashing import block_hashes
+from .transfer._future import TransferFuture, resolve
+
+if TYPE_CHECKING:
+    from ._offloader import Offloader
+
+__all__ = ["Request", "RequestHandle", "RequestState"]
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # opened (or resumed after preemption), holds no blocks yet
+    LOADING = "loading"  # a load into its first blocks is in flight
+    RUNNING = "running"  # holds blocks; steps store full blocks
+    PREEMPTED = "preempted"  # holds no blocks; may lookup/load again
+    FINISHING = "finishing"  # finish() called; draining stores
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_ENDED = (RequestState.FINISHING, RequestState.FINISHED, RequestState.ABORTED)
+
+
+class _Ev(enum.Enum):
+    STORE = 1
+    LOOKUP = 2
+    LOAD = 3
+    PREEMPT = 4
+    FINISH = 5
+    ABORT = 6
+
+
+class _Completion:
+    """Awaitable result of an event; awaiting it and being cancelled withdraws a not-yet-processed event."""
+
+    __slots__ = ("_fut",)
+
+    def __init__(self, fut: asyncio.Future[Any]) -> None:
+        self._fut = fut
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._fut.__await__()
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+
+class Request:
+    """Handle on one request's offloading (returned by :meth:`aiokv.Offloader.open`)."""
+
+    __slots__ = (
+        "_abort_requested",
+        "_blocks",
+        "_events",
+        "_hashes",
+        "_hit_blocks",
+        "_in_flight",
+        "_off",
+        "_pinned",
+        "_pinned_slots",
+        "_stored_upto",
+        "_task",
+        "_waiter",
+        "extra_keys",
+        "num_computed_tokens",
+        "request_id",
+        "salt",
+        "state",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        off: Offloader,
+        request_id: str,
+        token_ids: list[int],
+        salt: object,
+        extra_keys: tuple[object, ...],
+    ) -> None:
+        self._off = off
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.salt = salt
+        self.extra_keys = extra_keys
+        self.state = RequestState.WAITING
+        self.num_computed_tokens = 0
+        self._blocks: list[int] = []
+        self._stored_upto = 0  # leading blocks already handed to the store path
+        self._hashes: list[bytes] = []
+        self._events: deque[tuple[_Ev, Any, asyncio.Future[Any] | None]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._in_flight: set[TransferFuture] = set()
+        self._pinned: list[bytes] = []  # CPU entries pinned by the last lookup
+        self._pinned_slots: list[int] = []
+        self._hit_blocks: int | None = None  # result of the last completed lookup, until load/end
+        self._abort_requested = False
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ public
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The request's engine block table as aiokv knows it."""
+        return tuple(self._blocks)
+
+    @property
+    def done(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    def lookup(self) -> _Completion:
+        """Find the longest cached prefix of the request's known tokens; resolves to a token count.
+
+        The count is a multiple of ``block_size`` and smaller than the number of known tokens (the last token
+        is always recomputed to produce logits). Blocks held in lower tiers are staged into the CPU tier first,
+        so every counted block is loadable. The matched entries stay pinned until :meth:`load`, another
+        lookup, or the end of the request.
+        """
+        self._check_alive("lookup")
+        if self.state not in (RequestState.WAITING, RequestState.PREEMPTED):
+            raise RequestStateError(
+                f"lookup() needs a request holding no blocks (waiting or preempted), request {self.request_id!r} is {self.state.value}"
+            )
+        return self._post(_Ev.LOOKUP, None)
+
+    def load(self, block_ids: Sequence[int]) -> _Completion:
+        """Copy the cached prefix found by :meth:`lookup` into ``block_ids``, which become the request's first
+        blocks. Resolves when the KV is in the engine blocks.
+
+        Cancelling the awaiting task before the copy is submitted withdraws the load (nothing is copied and
+        the pins are released). Once submitted a copy cannot be recalled: the blocks stay guarded until it
+        completes, so the engine must still ``abort()``/``preempt()`` before reusing them.
+        """
+        self._check_alive("load")
+        if self.state not in (RequestState.WAITING, RequestState.PREEMPTED) or self._blocks:
+            raise RequestStateError(
+                f"load() needs a request holding no blocks, request {self.request_id!r} is {self.state.value}"
+            )
+        if self._hit_blocks is None:
+            raise RequestStateError("load() needs a completed lookup() first")
+        ids = self._off.layout.check_block_ids(block_ids, "block_ids")
+        if len(ids) > self._hit_blocks:
+            raise InvalidArgumentError(
+                f"block_ids must have at most {self._hit_blocks} blocks (the last lookup's hit), got {len(ids)}"
+            )
+        self._hit_blocks = None
+        # The block table and counters change now, synchronously, so that step() right after is validated
+        # against them; the copy itself is submitted by the task in order.
+        self._blocks = list(ids)
+        self.num_computed_tokens = len(ids) * self._off.block_size
+        self._stored_upto = len(ids)
+        self.state = RequestState.LOADING if ids else self.state
+        return self._post(_Ev.LOAD, ids)
+
+    def step(
+        self,
+        num_computed_tokens: int,
+        new_token_ids: Sequence[int] = (),
+        new_block_ids: Sequence[int] = (),
+    ) -> None:
+        """Report an engine step: ``new_block_ids`` are appended to the block table, ``new_token_ids`` to the
+        known tokens, and ``num_computed_tokens`` (absolute) tokens now have their KV written.
+
+        Synchronous and O(1) amortized: it never blocks or awaits. Every block whose tokens are all known and
+        computed is queued for storing, in one batch per step.
+        """
+        state = self.state
+        if state in _ENDED or self._abort_requested:
+            raise RequestStateError(f"step() after the request ended: request {self.request_id!r} is {state.value}")
+        if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int):
+            raise InvalidTypeError(f"num_computed_tokens must be an int, got {type(num_computed_tokens).__name__}")
+        off = self._off
+        blocks = self._blocks
+        if new_block_ids:
+            ids = off.layout.check_block_ids(new_block_ids, "new_block_ids")
+            if not blocks:
+                blocks.extend(ids)
+            else:
+                held = set(blocks)
+                for b in ids:
+                    if b in held:
+                        raise InvalidArgumentError(f"new_block_ids must not repeat a block the request holds, got {b}")
+                blocks.extend(ids)
+        if new_token_ids:
+            try:
+                self.token_ids.extend(int(t) for t in new_token_ids)
+            except TypeError:
+                raise InvalidTypeError("new_token_ids must be a sequence of ints") from None
+        n = num_computed_tokens
+        if n < self.num_computed_tokens:
+            raise InvalidArgumentError(
+                f"num_computed_tokens must not decrease, got {n} after {self.num_computed_tokens}"
+            )
+        if n > len(self.token_ids):
+            raise InvalidArgumentError(
+                f"num_computed_tokens must be <= known tokens ({len(self.token_ids)}), got {n}"
+            )
+        bs = off.block_size
+        if n > len(blocks) * bs:
+            raise InvalidArgumentError(
+                f"num_computed_tokens must fit in the request's {len(blocks)} blocks of {bs} tokens, got {n}"
+            )
+        self.num_computed_tokens = n
+        if state is not RequestState.LOADING:
+            self.state = RequestState.RUNNING
+        full = n // bs
+        if full > self._stored_upto:
+            start = self._stored_upto
+            self._stored_upto = full
+            self._post_nowait(_Ev.STORE, (start, blocks[start:full]))
+
+    def finish(self) -> _Completion:
+        """End the request. Every full, computed block is stored (including the one completed by the last
+        step); resolves once every engine block of this request may be reused."""
+        self._check_alive("finish")
+        self.state = RequestState.FINISHING
+        return self._post(_Ev.FINISH, None)
+
+    def preempt(self) -> _Completion:
+        """Give up the request's blocks but keep it open. Resolves once they may be reused; afterwards
+        :meth:`lookup` / :meth:`load` / :meth:`step` rebuild the block table as for a new request."""
+        self._check_alive("preempt")
+        self._blocks = []
+        self.num_computed_tokens = 0
+        self._stored_upto = 0
+        self._hit_blocks = None
+        self.state = RequestState.PREEMPTED
+        return self._post(_Ev.PREEMPT, None)
+
+    def abort(self) -> _Completion:
+        """Cancel the request: stores not yet submitted are dropped, copies in flight (loads included) are
+        waited for. Resolves once every engine block may be reused. Idempotent."""
+        if self._abort_requested or self.state in (RequestState.FINISHED, RequestState.ABORTED):
+            fut = self._off.loop.create_future()
+            if self._task is not None and not self._task.done():
+                self._task.add_done_callback(lambda _t: resolve(fut, None))
+            else:
+                fut.set_result(None)
+            return _Completion(fut)
+        self._abort_requested = True
+        return self._post(_Ev.ABORT, None)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Request {self.request_id!r} {self.state.name} tokens={len(self.token_ids)} "
+            f"computed={self.num_computed_tokens} blocks={len(self._blocks)} in_flight={len(self._in_flight)}>"
+        )
+
+    # ---------------------------------------------------------------- internals
+    def _check_alive(self, what: str) -> None:
+        if self.state in _ENDED or self._abort_requested:
+            raise RequestStateError(
+                f"{what}() after the request ended: request {self.request_id!r} is "
+                f"{'aborting' if self._abort_requested and self.state not in _ENDED else self.state.value}"
+            )
+
+    def _post(self, kind: _Ev, payload: Any) -> _Completion:
+        fut: asyncio.Future[Any] = self._off.loop.create_future()
+        self._post_nowait(kind, payload, fut)
+        return _Completion(fut)
+
+    def _post_nowait(self, kind: _Ev, payload: Any, fut: asyncio.Future[Any] | None = None) -> None:
+        self._events.append((kind, payload, fut))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _start(self) -> None:
+        self._task = self._off.loop.create_task(self._run(), name=f"aiokv-request-{self.request_id}")
+
+    def _chain(self, n_blocks: int) -> list[bytes]:
+        """Hashes of the first ``n_blocks`` blocks of the known tokens (computed incrementally)."""
+        hashes = self._hashes
+        have = len(hashes)
+        if n_blocks > have:
+            bs = self._off.block_size
+            hashes.extend(
+                block_hashes(
+                    self.token_ids[have * bs : n_blocks * bs],
+                    bs,
+                    salt=self.salt,
+                    extra_keys=self.extra_keys,
+                    root=self._off.layout.root,
+                    parent=hashes[-1] if hashes else None,
+                )
+            )
+        return hashes[:n_blocks]
+
+    async def _run(self) -> None:
+        off = self._off
+        events = self._events
+        loop = off.loop
+        try:
+            while True:
+                while not events:
+                    self._waiter = loop.create_future()
+                    await self._waiter
+                    self._waiter = None
+                kind, payload, fut = events.popleft()
+                if kind is _Ev.STORE:
+                    if not self._abort_requested:
+                        self._do_store(payload[0], payload[1])
+                    continue
+                if fut is not None and fut.cancelled() and kind in (_Ev.LOOKUP, _Ev.LOAD):
+                    # Withdrawn before it ran: leave no trace (pins of a withdrawn load are released).
+                    if kind is _Ev.LOAD:
+                        self._unpin()
+                        self._blocks = []
+                        self.num_computed_tokens = 0
+                        self._stored_upto = 0
+                        if self.state is RequestState.LOADING:
+                            self.state = RequestState.WAITING
+                    continue
+                try:
+                    if kind is _Ev.LOOKUP:
+                        result: Any = await self._do_lookup()
+                    elif kind is _Ev.LOAD:
+                        result = await self._do_load(payload)
+                    else:
+                        await self._drain()
+                        self._unpin()
+                        result = None
+                        if kind is not _Ev.PREEMPT:
+                            self.state = RequestState.FINISHED if kind is _Ev.FINISH else RequestState.ABORTED
+                except BaseException as exc:
+                    if fut is not None and not fut.done():
+                        fut.set_exception(exc)
+                    if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
+                        raise
+                    continue
+                if fut is not None and not fut.done():
+                    fut.set_result(result)
+                if self.state in (RequestState.FINISHED, RequestState.ABORTED):
+                    return
+        finally:
+            self._waiter = None
+            off._request_ended(self)
+
+    def _track(self, tf: TransferFuture) -> None:
+        self._in_flight.add(tf)
+        tf.add_done_callback(self._in_flight.discard)
+
+    async def _drain(self) -> None:
+        """Wait for every copy touching this request's blocks. Never cancelled halfway: a copy is awaited
+        to completion even if the awaiting task is cancelled (it then re-raises after)."""
+        while self._in_flight:
+            pending = [tf._fut for tf in self._in_flight]
+            await asyncio.wait(pending)
+
+    def _unpin(self) -> None:
+        if self._pinned:
+            self._off._unpin(self._pinned)
+            self._pinned = []
+            self._pinned_slots = []
+
+    def _do_store(self, start: int, block_ids: list[int]) -> None:
+        tf = self._off._store_blocks(self._chain(start + len(block_ids)), start, block_ids)
+        if tf is not None:
+            self._track(tf)
+
+    async def _do_lookup(self) -> int:
+        self._unpin()
+        off = self._off
+        bs = off.block_size
+        max_blocks = max(0, (len(self.token_ids) - 1) // bs)
+        keys = self._chain(max_blocks)
+        self._pinned, self._pinned_slots = await off._lookup_and_pin(keys)
+        hit = len(self._pinned)
+        self._hit_blocks = hit
+        return hit * bs
+
+    async def _do_load(self, block_ids: list[int]) -> int:
+        n = len(block_ids)
+        if n == 0:
+            self._unpin()
+            return 0
+        keys, slots = self._pinned[:n], self._pinned_slots[:n]
+        extra = self._pinned[n:]
+        self._pinned = []
+        self._pinned_slots = []
+        if extra:
+            self._off._unpin(extra)
+        # The loaded entries stay pinned until the copy reading their slots completes (done callback).
+        tf = self._off._load_blocks(keys, slots, block_ids)
+        self._track(tf)
+        await asyncio.wait([tf._fut])
+        if self.state is RequestState.LOADING:
+            self.state = RequestState.RUNNING
+        if tf.exception() is not None:
+            # The engine blocks hold garbage: nothing of them counts as computed any more.
+            self.num_computed_tokens = 0
+            self._stored_upto = 0
+            tf.result()
+        return n * self._off.block_size
+
+
+RequestHandle = Request
+"""Alias: the issue's contract calls the object returned by ``Offloader.open`` a request handle."""

@@ -1,0 +1,68 @@
+"""Interfaces of the tiers below the CPU tier.
+
+The CPU tier is special: the engine's blocks are copied to and from its host buffer by the transfer executor.
+Every lower tier (disk, Redis, ...) is a :class:`BackingTier`: it stores opaque, fixed-size *payloads* (one
+CPU slot, i.e. one block of every KV tensor, :attr:`TierSpec.payload_bytes` long) under a block hash, and
+never touches engine memory. The offloader writes blocks through to it after they land in the CPU tier and
+stages them back into CPU slots on lookup.
+
+Contract for implementations:
+- ``write`` must have finished reading ``payloads`` when it returns (the CPU slot is unpinned then).
+- ``read_into`` must verify each entry (header: magic, version, fingerprint, key, length; checksum over the
+  payload) *before* the last byte is written to ``outs[i]``... and report failure for a corrupt, truncated or
+  foreign entry, which then counts as a miss (and is dropped from the tier when possible). ``outs`` are
+  scratch CPU slots that only become visible on success, so partially written data is harmless.
+- No method raises for an unavailable backend (server down, disk full): it returns a miss / drops the write,
+  counts it in ``stats()``, and returns within the tier's configured timeout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BackingTier", "TierSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """What a tier needs to know about the blocks it will hold."""
+
+    payload_bytes: int  # bytes of one block across all KV tensors (one CPU slot)
+    fingerprint: bytes  # 32 bytes: the layout fingerprint (block size, dtypes, per-block shapes) + model id
+    block_size: int  # tokens per block
+    description: str  # human readable layout summary, for error messages
+
+
+class BackingTier(ABC):
+    """A tier below the CPU tier, holding fixed-size payloads keyed by 32-byte block hashes."""
+
+    name: str = "backing"
+
+    @abstractmethod
+    async def open(self, spec: TierSpec) -> None:
+        """Bind to the layout and acquire resources (files, connections). Called once by the offloader."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Release resources. Idempotent and bounded in time."""
+
+    @abstractmethod
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` this tier probably holds (one round trip). A later read may still miss."""
+
+    @abstractmethod
+    async def read_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
+        """Read and verify ``keys[i]`` into ``outs[i]`` (each ``payload_bytes`` long) in order; return how many
+        leading keys were read and verified. Stops at the first miss."""
+
+    @abstractmethod
+    async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> int:
+        """Store ``payloads[i]`` under ``keys[i]``; return how many were stored (the rest were dropped and
+        counted). Existing keys may be skipped."""
+
+    @abstractmethod
+    def stats(self) -> Any:
+        """A frozen dataclass of this tier's counters and health."""

@@ -1,0 +1,122 @@
+"""CPUTier: one preallocated host buffer of fixed-size slots plus a block index."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .._cuda import alloc_host_buffer, cuda_available
+from .._errors import CapacityError, InvalidArgumentError, InvalidTypeError
+from ._index import BlockIndex
+from ._policies import EvictionPolicy, make_policy
+
+if TYPE_CHECKING:
+    from .._layout import KVLayout
+
+__all__ = ["CPUTier", "CPUTierStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class CPUTierStats:
+    capacity_bytes: int
+    slot_bytes: int
+    num_slots: int
+    used_slots: int
+    ready: int
+    pending: int
+    pinned: int
+    evictions: int
+    rejected: int
+    pinned_memory: bool
+
+
+class CPUTier:
+    """Host-memory tier: ``capacity_bytes // slot_bytes`` slots in one buffer allocated up front.
+
+    The buffer is page-locked when CUDA is present (``pinned=None`` decides automatically) so GPU copies run
+    asynchronously at full bandwidth. ``eviction`` overrides the offloader's policy for this tier.
+    """
+
+    name = "cpu"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        eviction: str | EvictionPolicy | None = None,
+        pinned: bool | None = None,
+    ) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise InvalidTypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
+        if capacity_bytes <= 0:
+            raise InvalidArgumentError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.eviction = eviction
+        self.pinned = pinned
+        self._index: BlockIndex | None = None
+        self._buffer: torch.Tensor | None = None
+        self.slot_bytes = 0
+
+    def bind(self, layout: KVLayout, default_eviction: str | EvictionPolicy) -> None:
+        """Size the slots for ``layout`` and allocate the buffer (once)."""
+        if self._index is not None:
+            raise InvalidArgumentError("a CPUTier can serve only one offloader")
+        slot_bytes = layout.slot_bytes
+        num_slots = self.capacity_bytes // slot_bytes
+        if num_slots < 1:
+            raise CapacityError(
+                f"capacity_bytes must hold at least one block of {slot_bytes} bytes, got {self.capacity_bytes}"
+            )
+        pinned = cuda_available() if self.pinned is None else self.pinned
+        policy = make_policy(self.eviction if self.eviction is not None else default_eviction, num_slots)
+        self._buffer = alloc_host_buffer(num_slots * slot_bytes, pinned=pinned)
+        self._index = BlockIndex(num_slots, policy)
+        self.slot_bytes = slot_bytes
+        self._pinned_memory = pinned
+
+    @property
+    def index(self) -> BlockIndex:
+        if self._index is None:
+            raise InvalidArgumentError("CPUTier is not bound to a layout yet")
+        return self._index
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            raise InvalidArgumentError("CPUTier is not bound to a layout yet")
+        return self._buffer
+
+    def slot_view(self, slot: int) -> memoryview:
+        """A writable memoryview of one slot (for lower tiers reading or staging payloads)."""
+        buf = self.buffer
+        start = slot * self.slot_bytes
+        return memoryview(buf[start : start + self.slot_bytes].numpy()).cast("B")
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        start = slot * self.slot_bytes
+        return self.buffer[start : start + self.slot_bytes]
+
+    def release(self) -> None:
+        self._buffer = None
+
+    def stats(self) -> CPUTierStats:
+        if self._index is None:
+            return CPUTierStats(self.capacity_bytes, 0, 0, 0, 0, 0, 0, 0, 0, False)
+        s = self._index.stats()
+        return CPUTierStats(
+            capacity_bytes=self.capacity_bytes,
+            slot_bytes=self.slot_bytes,
+            num_slots=s.num_slots,
+            used_slots=s.used_slots,
+            ready=s.ready,
+            pending=s.pending,
+            pinned=s.pinned,
+            evictions=s.evictions,
+            rejected=s.rejected,
+            pinned_memory=self._pinned_memory,
+        )
+
+    def __repr__(self) -> str:
+        return f"CPUTier(capacity_bytes={self.capacity_bytes})"

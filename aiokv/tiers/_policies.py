@@ -1,0 +1,391 @@
+"""Eviction policies: pure bookkeeping over keys, no data, no awaits.
+
+A policy orders the *resident, evictable-in-principle* keys of one tier. The index tells it when a key is
+inserted, hit, or removed (``evicted=True`` when the policy's own victim was taken, so history-keeping policies
+such as ARC can remember it). ``candidates()`` yields keys in the order the policy would evict them; the index
+skips keys that are pinned or pending and takes the first evictable one, so a policy never needs to know about
+pins.
+
+Chains. Blocks are keyed by prefix-chained hashes: a block can only be hit when every block before it in its
+chain is hit too, so a resident block whose parent is gone is dead weight. Two things follow:
+
+- *Runs*. An engine touches or stores a request's blocks head first. If each of those calls counted as a
+  separate access, the head would be the least recent block of the request and be evicted first, orphaning
+  the rest. The recency lists below therefore treat consecutive accesses that walk down one chain (each key's
+  parent is the key accessed just before it) as one access, ordered so that the *head* ends up most recent
+  and the tail is evicted first. vLLM's LRU offloading manager gets the same order by touching in reverse.
+- :class:`ChainLRUPolicy` goes further and only evicts *leaves* (resident blocks with no resident child), so a
+  block never loses its parent to eviction while it is resident.
+
+Every operation is O(1) amortized, except :class:`ChainLRUPolicy` (O(log n) per insert, hit and eviction).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from .._errors import InvalidArgumentError
+
+__all__ = [
+    "ARCPolicy",
+    "ChainLRUPolicy",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "make_policy",
+    "policy_names",
+    "register_policy",
+]
+
+
+class EvictionPolicy(ABC):
+    """Orders resident keys for eviction. ``parent`` is the previous block's key in its chain (``None`` for a
+    chain's first block) and ``depth`` the block's index in its chain; policies may ignore both."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def insert(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> None:
+        """``key`` became resident (committed)."""
+
+    @abstractmethod
+    def touch(self, key: bytes) -> None:
+        """``key`` was hit (looked up, loaded, or stored again). Unknown keys are ignored."""
+
+    @abstractmethod
+    def remove(self, key: bytes, evicted: bool) -> None:
+        """``key`` left the tier; ``evicted`` is True when it was chosen as a victim (not dropped)."""
+
+    @abstractmethod
+    def candidates(self) -> Iterator[bytes]:
+        """Resident keys, best victim first. Must tolerate the caller stopping early."""
+
+    def __len__(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class _RecencyList:
+    """Keys in recency order, least recent first, with chain runs (see the module docstring).
+
+    The keys of the open run are the last ``len(run)`` keys of ``_order`` (any access that does not extend the
+    run closes it first). Iteration yields the keys before the run, then the run reversed, which is the order
+    the run will have once closed, so closing a run costs O(run) once and reading never mutates.
+    """
+
+    __slots__ = ("_last", "_order", "_run")
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[bytes, bytes | None] = OrderedDict()  # key -> parent
+        self._run: dict[bytes, None] = {}
+        self._last: bytes | None = None
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def parent(self, key: bytes) -> bytes | None:
+        return self._order[key]
+
+    def push(self, key: bytes, parent: bytes | None) -> None:
+        """Make ``key`` the most recent key (inserting it when absent)."""
+        order = self._order
+        run = self._run
+        if parent is None or parent != self._last or key in run:
+            if len(run) > 1:
+                for k in reversed(run):
+                    order.move_to_end(k)
+            run.clear()
+        order[key] = parent
+        order.move_to_end(key)
+        run[key] = None
+        self._last = key
+
+    def pop(self, key: bytes) -> None:
+        del self._order[key]
+        self._run.pop(key, None)
+
+    def __iter__(self) -> Iterator[bytes]:
+        run = self._run
+        if len(run) <= 1:
+            return iter(self._order)
+        return itertools.chain(itertools.islice(self._order, len(self._order) - len(run)), reversed(run))
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used, with chain runs: a request's blocks accessed head first count as one access whose
+    head is the most recent, so among equally old chains a prefix's head outlives its tail."""
+
+    name = "lru"
+    __slots__ = ("_list",)
+
+    def __init__(self) -> None:
+        self._list = _RecencyList()
+
+    def insert(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> None:
+        self._list.push(key, parent)
+
+    def touch(self, key: bytes) -> None:
+        lst = self._list
+        if key in lst:
+            lst.push(key, lst.parent(key))
+
+    def remove(self, key: bytes, evicted: bool) -> None:
+        if key in self._list:
+            self._list.pop(key)
+
+    def candidates(self) -> Iterator[bytes]:
+        return iter(self._list)
+
+    def __len__(self) -> int:
+        return len(self._list)
+
+
+class ARCPolicy(EvictionPolicy):
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST'03) over a tier of ``capacity`` blocks.
+
+    Resident keys live in T1 (seen once since they became resident) or T2 (hit again: ARC promotes on reuse);
+    evicted keys are remembered in the ghost lists B1 and B2. A key inserted while in B1 means T1 was too small
+    and raises the target size ``p`` of T1; one inserted while in B2 lowers it; either way it enters T2. The
+    victim is T1's least recent key while ``len(T1) > p`` (or T2 is empty), otherwise T2's.
+
+    Differences from the paper, forced by the index driving eviction: the index evicts *before* it inserts, so
+    a ghost hit adapts ``p`` for the next eviction rather than the one that made room for it, and the paper's
+    tie rule (evict from T1 when ``len(T1) == p`` and the incoming key is in B2) is not applied. Ghost lists are
+    bounded as in the paper: ``len(T1) + len(B1) <= capacity`` and all four lists hold at most ``2 * capacity``.
+    T1 and T2 use chain runs like :class:`LRUPolicy`.
+    """
+
+    name = "arc"
+    __slots__ = ("_b1", "_b2", "_t1", "_t2", "capacity", "p")
+
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise InvalidArgumentError(f"capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        self.p = 0.0
+        self._t1 = _RecencyList()
+        self._t2 = _RecencyList()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return (
+            f"<ARCPolicy capacity={self.capacity} p={self.p:g} t1={len(self._t1)} t2={len(self._t2)} "
+            f"b1={len(self._b1)} b2={len(self._b2)}>"
+        )
+
+    # Read-only views for tests and debugging, least recent first.
+    def t1(self) -> list[bytes]:
+        return list(self._t1)
+
+    def t2(self) -> list[bytes]:
+        return list(self._t2)
+
+    def b1(self) -> list[bytes]:
+        return list(self._b1)
+
+    def b2(self) -> list[bytes]:
+        return list(self._b2)
+
+    def insert(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> None:
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self.p = min(float(self.capacity), self.p + max(len(b2) / len(b1), 1.0))
+            del b1[key]
+            self._t2.push(key, parent)
+        elif key in b2:
+            self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
+            del b2[key]
+            self._t2.push(key, parent)
+        else:
+            self._t1.push(key, parent)
+        self._trim_ghosts()
+
+    def touch(self, key: bytes) -> None:
+        t1 = self._t1
+        if key in t1:
+            parent = t1.parent(key)
+            t1.pop(key)
+            self._t2.push(key, parent)
+        elif key in self._t2:
+            self._t2.push(key, self._t2.parent(key))
+
+    def remove(self, key: bytes, evicted: bool) -> None:
+        if key in self._t1:
+            self._t1.pop(key)
+            if evicted:
+                self._b1[key] = None
+        elif key in self._t2:
+            self._t2.pop(key)
+            if evicted:
+                self._b2[key] = None
+        else:
+            return
+        self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
+        c = self.capacity
+        b1, b2 = self._b1, self._b2
+        while b1 and len(self._t1) + len(b1) > c:
+            b1.popitem(last=False)
+        while len(self._t1) + len(self._t2) + len(b1) + len(b2) > 2 * c:
+            (b2 or b1).popitem(last=False)
+
+    def candidates(self) -> Iterator[bytes]:
+        t1, t2 = self._t1, self._t2
+        if t1 and (len(t1) > self.p or not t2):
+            return itertools.chain(t1, t2)
+        return itertools.chain(t2, t1)
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+
+class _Node:
+    __slots__ = ("children", "key", "parent", "stamp")
+
+    def __init__(self, key: bytes, parent: _Node | None, stamp: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.children = 0  # resident children whose ``parent`` is this node
+        self.stamp = stamp
+
+
+class ChainLRUPolicy(EvictionPolicy):
+    """Chain-aware LRU: evict the least recently used *leaf*, a resident block none of whose children is
+    resident (the tail of a cached chain), like SGLang's radix cache.
+
+    A block whose parent is gone can never be hit again (a prefix hit needs every leading block), so evicting a
+    chain's head before its tail wastes the tail's slot until it ages out. Here an inner block only becomes a
+    candidate once its last resident child is evicted, and then competes with its own last access time. Inner
+    blocks are offered after all leaves, oldest first, for the rare case that every leaf is pinned. A block
+    inserted while its parent is not resident is a root of its own.
+
+    Leaves are kept in a heap keyed by last access with lazy deletion: O(log n) per insert, hit and eviction.
+    """
+
+    name = "chain-lru"
+    __slots__ = ("_clock", "_heap", "_nodes")
+
+    def __init__(self) -> None:
+        self._nodes: dict[bytes, _Node] = {}
+        self._heap: list[tuple[int, bytes]] = []  # (stamp, key); valid iff key is a leaf with that stamp
+        self._clock = 0
+
+    def _push_leaf(self, node: _Node) -> None:
+        heap = self._heap
+        heapq.heappush(heap, (node.stamp, node.key))
+        if len(heap) > 2 * len(self._nodes) + 64:  # drop stale entries; amortized O(1) per push
+            heap = [(n.stamp, k) for k, n in self._nodes.items() if n.children == 0]
+            heapq.heapify(heap)
+            self._heap = heap
+
+    def insert(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> None:
+        nodes = self._nodes
+        if key in nodes:  # a second insert is a hit
+            self.touch(key)
+            return
+        pnode = None if parent is None else nodes.get(parent)
+        if pnode is not None:
+            pnode.children += 1  # its heap entry, if any, is now stale
+        self._clock += 1
+        node = _Node(key, pnode, self._clock)
+        nodes[key] = node
+        self._push_leaf(node)
+
+    def touch(self, key: bytes) -> None:
+        node = self._nodes.get(key)
+        if node is None:
+            return
+        self._clock += 1
+        node.stamp = self._clock
+        if node.children == 0:
+            self._push_leaf(node)
+
+    def remove(self, key: bytes, evicted: bool) -> None:
+        node = self._nodes.pop(key, None)
+        if node is None:
+            return
+        pnode = node.parent
+        if pnode is not None:
+            pnode.children -= 1
+            # A parent that was dropped while it had children is detached (no longer the node for its key).
+            if pnode.children == 0 and self._nodes.get(pnode.key) is pnode:
+                self._push_leaf(pnode)
+        # Children of a dropped inner node keep pointing at the detached node and stay in the policy.
+
+    def _valid(self, entry: tuple[int, bytes]) -> bool:
+        node = self._nodes.get(entry[1])
+        return node is not None and node.children == 0 and node.stamp == entry[0]
+
+    def candidates(self) -> Iterator[bytes]:
+        heap = self._heap
+        while heap and not self._valid(heap[0]):
+            heapq.heappop(heap)
+        return self._iter_candidates(heap)
+
+    def _iter_candidates(self, heap: list[tuple[int, bytes]]) -> Iterator[bytes]:
+        # Leaves in heap order without mutating the heap (the caller may stop at any point): walk the heap as
+        # a binary tree, expanding a frontier of indices ordered by stamp.
+        valid = self._valid
+        if heap:
+            n = len(heap)
+            frontier = [(heap[0][0], 0)]
+            while frontier:
+                i = heapq.heappop(frontier)[1]
+                entry = heap[i]
+                if valid(entry):
+                    yield entry[1]
+                for c in (2 * i + 1, 2 * i + 2):
+                    if c < n:
+                        heapq.heappush(frontier, (heap[c][0], c))
+        for _, key in sorted((n.stamp, k) for k, n in self._nodes.items() if n.children > 0):
+            yield key
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+
+_REGISTRY: dict[str, Callable[[int], EvictionPolicy]] = {
+    "lru": lambda capacity: LRUPolicy(),
+    "arc": ARCPolicy,
+    "chain-lru": lambda capacity: ChainLRUPolicy(),
+}
+
+
+def register_policy(name: str, factory: Callable[[int], EvictionPolicy]) -> None:
+    """Make ``eviction=name`` available; ``factory(capacity_in_blocks)`` builds a fresh policy."""
+    _REGISTRY[name] = factory
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_policy(
+    policy: str | EvictionPolicy | Callable[[int], EvictionPolicy], capacity: int
+) -> EvictionPolicy:
+    """Resolve an ``eviction=`` argument (a name, a policy instance or a factory) to a policy."""
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    if isinstance(policy, str):
+        try:
+            factory = _REGISTRY[policy]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"eviction must be one of {policy_names()} or an EvictionPolicy, got {policy!r}"
+            ) from None
+        return factory(capacity)
+    if callable(policy):
+        made = policy(capacity)
+        if not isinstance(made, EvictionPolicy):
+            raise InvalidArgumentError("eviction factory must return an EvictionPolicy")
+        return made
+    raise InvalidArgumentError(
+        f"eviction must be a policy name, an EvictionPolicy or a factory, got {policy!r}"
+    )

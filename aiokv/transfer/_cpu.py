@@ -1,0 +1,101 @@
+"""Ordered worker-thread "streams" for the CPU backend, and the native copy kernel."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._future import call_soon_threadsafe_guarded, resolve
+
+__all__ = ["HAVE_NATIVE", "CPUStream", "copy_segments"]
+
+try:
+    from .._native._copy import copy_segments as _native_copy
+
+    HAVE_NATIVE = True
+except ImportError:  # pragma: no cover - exercised only without a C compiler
+    _native_copy = None
+    HAVE_NATIVE = False
+
+
+def _python_copy(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]) -> None:
+    memmove = ctypes.memmove
+    for d, s, n in zip(dst.tolist(), src.tolist(), nbytes.tolist()):
+        memmove(d, s, n)
+
+
+def copy_segments(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]) -> None:
+    """memcpy every segment ``src[i] -> dst[i]`` (``nbytes[i]`` bytes), merging adjacent runs, GIL released."""
+    if _native_copy is not None:
+        _native_copy(dst, src, nbytes)
+    else:  # pragma: no cover
+        _python_copy(dst, src, nbytes)
+
+
+_STOP = object()
+
+
+class CPUStream:
+    """A FIFO of copy jobs executed by one worker thread; completion is delivered on the loop.
+
+    ``submit(job, fut)`` enqueues immediately (so the returned future always refers to submitted work). The
+    worker drains whatever is queued, runs the jobs in order and resolves their futures with a single
+    ``call_soon_threadsafe`` per batch.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+        self._loop = loop
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"aiokv-{name}", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], fut: asyncio.Future[None]) -> None:
+        if self._closed:
+            raise RuntimeError("stream is closed")
+        self._queue.put((job, fut))
+
+    def _run(self) -> None:
+        get = self._queue.get
+        get_nowait = self._queue.get_nowait
+        stop = False
+        while not stop:
+            batch = [get()]
+            while True:
+                try:
+                    batch.append(get_nowait())
+                except queue.Empty:
+                    break
+            done: list[tuple[asyncio.Future[None], BaseException | None]] = []
+            for item in batch:
+                if item is _STOP:
+                    stop = True
+                    continue
+                job, fut = item
+                try:
+                    job()
+                except BaseException as exc:
+                    done.append((fut, exc))
+                else:
+                    done.append((fut, None))
+            if done:
+                call_soon_threadsafe_guarded(self._loop, _resolve_batch, done)
+
+    def close(self) -> None:
+        """Stop after the queued jobs; joins the worker thread (bounded)."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_STOP)
+        self._thread.join(timeout=30)
+
+
+def _resolve_batch(done: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    for fut, error in done:
+        resolve(fut, error)

@@ -1,0 +1,300 @@
+"""Eviction policies on hand-computed sequences, driven the way BlockIndex drives them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from aiokv._errors import InvalidArgumentError
+from aiokv.tiers._policies import (
+    ARCPolicy,
+    ChainLRUPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    make_policy,
+    policy_names,
+    register_policy,
+)
+
+a, b, c, d, x, y = (k.encode() for k in "abcdxy")
+
+
+def evict(policy: EvictionPolicy) -> bytes:
+    """What BlockIndex does when nothing is pinned: take the first candidate, tell the policy."""
+    victim = next(policy.candidates())
+    policy.remove(victim, evicted=True)
+    return victim
+
+
+def order(policy: EvictionPolicy) -> list[bytes]:
+    return list(policy.candidates())
+
+
+# ---------------------------------------------------------------------------------------------- registry
+def test_registry_names_and_factories() -> None:
+    assert {"lru", "arc", "chain-lru"} <= set(policy_names())
+    assert isinstance(make_policy("lru", 4), LRUPolicy)
+    arc = make_policy("arc", 4)
+    assert isinstance(arc, ARCPolicy)
+    assert arc.capacity == 4
+    assert isinstance(make_policy("chain-lru", 4), ChainLRUPolicy)
+
+
+def test_make_policy_rejects_unknown_name() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"eviction must be one of \[.*'arc'.*\]"):
+        make_policy("mru", 4)
+
+
+def test_register_policy_adds_a_name() -> None:
+    register_policy("test-lru", lambda capacity: LRUPolicy())
+    try:
+        assert "test-lru" in policy_names()
+        assert isinstance(make_policy("test-lru", 1), LRUPolicy)
+    finally:
+        from aiokv.tiers import _policies
+
+        del _policies._REGISTRY["test-lru"]
+
+
+def test_arc_rejects_bad_capacity() -> None:
+    with pytest.raises(InvalidArgumentError, match="capacity must be a positive int, got 0"):
+        ARCPolicy(0)
+
+
+# ---------------------------------------------------------------------------------------------------- LRU
+def test_lru_orders_independent_keys_by_recency() -> None:
+    p = LRUPolicy()
+    for k in (a, b, c):
+        p.insert(k)
+    p.touch(a)
+    assert order(p) == [b, c, a]
+    p.touch(x)  # unknown keys are ignored
+    assert evict(p) == b
+    assert order(p) == [c, a]
+    assert len(p) == 2
+
+
+def test_lru_chain_inserted_head_first_evicts_tail_first() -> None:
+    p = LRUPolicy()
+    p.insert(a, None, 0)
+    p.insert(b, a, 1)
+    p.insert(c, b, 2)
+    assert order(p) == [c, b, a]
+    p.insert(d)  # closes the run
+    assert order(p) == [c, b, a, d]
+
+
+def test_lru_chain_hit_counts_as_one_access_with_head_most_recent() -> None:
+    p = LRUPolicy()
+    p.insert(a, None, 0)
+    p.insert(b, a, 1)
+    p.insert(c, b, 2)
+    p.insert(d)
+    p.touch(a)  # a request hits a, b (head first)
+    p.touch(b)
+    assert order(p) == [c, d, b, a]
+    assert evict(p) == c
+    assert order(p) == [d, b, a]
+
+
+def test_lru_run_breaks_when_parent_is_not_the_last_key() -> None:
+    p = LRUPolicy()
+    p.insert(a)
+    p.insert(x)
+    p.insert(b, a, 1)  # a's child, but x came in between: a separate, more recent access
+    assert order(p) == [a, x, b]
+
+
+def test_lru_remove_inside_open_run() -> None:
+    p = LRUPolicy()
+    p.insert(a, None, 0)
+    p.insert(b, a, 1)
+    p.insert(c, b, 2)
+    p.remove(b, evicted=False)
+    assert order(p) == [c, a]
+    p.insert(d)
+    assert order(p) == [c, a, d]
+
+
+# ---------------------------------------------------------------------------------------------------- ARC
+def test_arc_promotes_on_reuse() -> None:
+    p = ARCPolicy(2)
+    p.insert(a)
+    p.insert(b)
+    assert (p.t1(), p.t2()) == ([a, b], [])
+    p.touch(a)
+    assert (p.t1(), p.t2()) == ([b], [a])
+    p.touch(a)  # a hit in T2 stays in T2
+    assert (p.t1(), p.t2()) == ([b], [a])
+
+
+def test_arc_hand_computed_sequence_adapts_p_on_ghost_hits() -> None:
+    p = ARCPolicy(2)
+    p.insert(a)
+    p.insert(b)
+    p.touch(a)  # T1=[b] T2=[a]
+    assert evict(p) == b  # len(T1)=1 > p=0
+    assert p.b1() == [b]
+    p.insert(c)  # T1=[c]
+    assert evict(p) == c
+    assert p.b1() == [b, c]
+    p.insert(b)  # ghost hit in B1: p += max(|B2|/|B1|, 1) = 1; b enters T2
+    assert p.p == 1.0
+    assert (p.t1(), p.t2(), p.b1()) == ([], [a, b], [c])
+    assert evict(p) == a  # T1 empty: from T2
+    assert p.b2() == [a]
+    p.insert(d)  # T1=[d]
+    assert order(p) == [b, d]  # len(T1)=1 is not > p=1: T2 first
+    assert evict(p) == b
+    assert p.b2() == [a, b]
+    p.insert(a)  # ghost hit in B2: p -= max(|B1|/|B2|, 1) = 1
+    assert p.p == 0.0
+    assert (p.t1(), p.t2(), p.b2()) == ([d], [a], [b])
+    assert order(p) == [d, a]
+
+
+def test_arc_ghost_lists_are_bounded_by_capacity() -> None:
+    p = ARCPolicy(1)
+    p.insert(a)
+    assert evict(p) == a
+    assert p.b1() == [a]
+    p.insert(b)  # |T1| + |B1| would be 2 > 1: the oldest ghost goes
+    assert (p.t1(), p.b1()) == ([b], [])
+
+
+def test_arc_dropped_keys_leave_no_ghost() -> None:
+    p = ARCPolicy(4)
+    p.insert(a)
+    p.insert(b)
+    p.touch(b)
+    p.remove(a, evicted=False)
+    p.remove(b, evicted=False)
+    assert (p.t1(), p.t2(), p.b1(), p.b2()) == ([], [], [], [])
+    assert len(p) == 0
+
+
+def test_arc_random_operations_keep_the_paper_bounds() -> None:
+    rng = random.Random(7)
+    cap = 5
+    p = ARCPolicy(cap)
+    resident: set[bytes] = set()
+    for _ in range(3000):
+        key = bytes([rng.randrange(20)])
+        if key in resident:
+            p.touch(key)
+        else:
+            if len(resident) == cap:
+                resident.discard(evict(p))
+            p.insert(key)
+            resident.add(key)
+        assert set(p.candidates()) == resident
+        assert len(p.t1()) + len(p.b1()) <= cap
+        assert len(p.t1()) + len(p.t2()) + len(p.b1()) + len(p.b2()) <= 2 * cap
+        assert 0 <= p.p <= cap
+        assert not set(p.b1() + p.b2()) & resident
+
+
+# ---------------------------------------------------------------------------------------------- chain-LRU
+def test_chain_lru_evicts_leaves_first() -> None:
+    p = ChainLRUPolicy()
+    p.insert(a, None, 0)  # stamp 1
+    p.insert(b, a, 1)  # 2
+    p.insert(c, b, 2)  # 3
+    p.insert(x)  # 4
+    assert order(p) == [c, x, a, b]  # leaves by age, then inner blocks by age
+    assert evict(p) == c
+    assert order(p) == [b, x, a]  # b became a leaf with its own (old) stamp
+    p.touch(a)  # inner block: its recency counts once it is a leaf
+    assert evict(p) == b
+    assert order(p) == [x, a]
+
+
+def test_chain_lru_keeps_a_head_that_plain_lru_would_orphan() -> None:
+    """The head's access is older than its child's (the store came in a later step): LRU evicts the head and
+    strands the child; chain-LRU evicts an unrelated leaf."""
+    lru, chain = LRUPolicy(), ChainLRUPolicy()
+    for p in (lru, chain):
+        p.insert(a, None, 0)
+        p.insert(x)
+        p.insert(b, a, 1)
+    assert evict(lru) == a
+    assert evict(chain) == x
+    assert order(chain) == [b, a]
+
+
+def test_chain_lru_touch_refreshes_a_leaf() -> None:
+    p = ChainLRUPolicy()
+    p.insert(a)
+    p.insert(x)
+    p.touch(a)
+    assert order(p) == [x, a]
+
+
+def test_chain_lru_dropped_inner_block_detaches_its_children() -> None:
+    p = ChainLRUPolicy()
+    p.insert(a, None, 0)
+    p.insert(b, a, 1)
+    p.remove(a, evicted=False)  # e.g. a failed read dropped the head
+    assert order(p) == [b]
+    p.insert(a, None, 0)  # a comes back as a fresh root with no known children
+    assert order(p) == [b, a]
+    p.remove(b, evicted=True)  # b's detached parent must not be revived
+    assert order(p) == [a]
+    assert len(p) == 1
+
+
+def test_chain_lru_candidates_skip_stale_heap_entries() -> None:
+    p = ChainLRUPolicy()
+    for i in range(200):
+        p.insert(bytes([i % 256, i // 256]))
+    keys = list(p.candidates())
+    for k in keys[:150]:
+        p.touch(k)
+    assert list(p.candidates()) == keys[150:] + keys[:150]
+    assert len(p._heap) <= 2 * len(p) + 64
+
+
+def test_chain_lru_matches_a_reference_on_random_chains() -> None:
+    """Reference: the victim is the resident leaf with the oldest access, recomputed from scratch."""
+    rng = random.Random(3)
+    p = ChainLRUPolicy()
+    parent: dict[bytes, bytes | None] = {}
+    last: dict[bytes, int] = {}
+    clock = 0
+    for step in range(2000):
+        if len(parent) > 12:
+            leaves = [k for k in parent if not any(pp == k for pp in parent.values())]
+            want = min(leaves, key=last.__getitem__)
+            assert evict(p) == want
+            del parent[want]
+            continue
+        clock += 1
+        if parent and rng.random() < 0.4:
+            key = rng.choice(sorted(parent))
+            p.touch(key)
+            last[key] = clock
+            continue
+        par = rng.choice([None, *sorted(parent)])
+        key = f"k{step}".encode()
+        p.insert(key, par, 0)
+        parent[key] = par
+        last[key] = clock
+    assert set(p.candidates()) == set(parent)
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "chain-lru"])
+def test_candidates_tolerate_early_stop_and_do_not_mutate(name: str) -> None:
+    p = make_policy(name, 8)
+    prev: bytes | None = None
+    for i in range(6):
+        key = bytes([i])
+        p.insert(key, prev, i)
+        prev = key
+    full = list(p.candidates())
+    it = p.candidates()
+    next(it)
+    next(it)
+    del it
+    assert list(p.candidates()) == full
+    assert sorted(full) == [bytes([i]) for i in range(6)]
