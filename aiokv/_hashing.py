@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ._errors import InvalidArgumentError, InvalidTypeError
 
@@ -21,7 +21,7 @@ NONE_ROOT = hashlib.sha256(b"aiokv/root/v1").digest()
 """The root used when no layout fingerprint is given (tests, replay of token traces)."""
 
 
-def _canon(value: object) -> bytes:
+def _canon(value: object, name: str = "hash keys") -> bytes:
     """Canonical, type-tagged bytes for the small set of values allowed in salts and extra keys."""
     if value is None:
         return b"N"
@@ -37,9 +37,9 @@ def _canon(value: object) -> bytes:
         raw = bytes(value)
         return b"Y" + struct.pack("<I", len(raw)) + raw
     if isinstance(value, (tuple, list)):
-        return b"T" + struct.pack("<I", len(value)) + b"".join(_canon(v) for v in value)
+        return b"T" + struct.pack("<I", len(value)) + b"".join(_canon(v, name) for v in value)
     raise InvalidTypeError(
-        f"hash keys must be None, bool, int, str, bytes or tuples of them, got {type(value).__name__}"
+        f"{name} must be None, bool, int, str, bytes or tuples of them, got {type(value).__name__}"
     )
 
 
@@ -67,11 +67,16 @@ def block_hashes(
         raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
     if not isinstance(root, (bytes, bytearray)) or len(root) != 32:
         raise InvalidArgumentError("root must be 32 bytes (see aiokv.make_root)")
+    if parent is None:
+        # Validated before the early return below, so a bad salt fails even for a short prompt.
+        if isinstance(extra_keys, (str, bytes)) or not isinstance(extra_keys, Iterable):
+            raise InvalidTypeError(f"extra_keys must be a sequence, got {type(extra_keys).__name__}")
+        head = _DOMAIN + bytes(root) + _canon(salt, "salt") + _canon(tuple(extra_keys), "extra_keys")
     n_full = len(token_ids) // block_size
     if n_full == 0:
         return []
     if parent is None:
-        prev = hashlib.sha256(_DOMAIN + bytes(root) + _canon(salt) + _canon(tuple(extra_keys))).digest()
+        prev = hashlib.sha256(head).digest()
     else:
         if len(parent) != 32:
             raise InvalidArgumentError("parent must be a 32-byte block hash")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,8 @@ class KVLayout:
             raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
         if isinstance(block_dim, bool) or not isinstance(block_dim, int) or block_dim < 0:
             raise InvalidArgumentError(f"block_dim must be a non-negative int, got {block_dim!r}")
+        if model_id is not None and not isinstance(model_id, str):
+            raise InvalidTypeError(f"model_id must be a str or None, got {type(model_id).__name__}")
         flat = _flatten_tensors(tensors)
         if not flat:
             raise InvalidLayoutError("tensors must contain at least one tensor")
@@ -121,6 +124,11 @@ class KVLayout:
                 expect *= shape[d]
             inner_elems = math.prod(shape[block_dim + 1 :])
             inner_bytes = inner_elems * esize
+            if shape[block_dim] > 1 and strides[block_dim] * esize < inner_bytes:
+                raise InvalidLayoutError(
+                    f"tensors[{i}] blocks must not overlap: stride {strides[block_dim]} along block_dim={block_dim} "
+                    f"is smaller than a block's {inner_elems} elements (an expanded view?)"
+                )
             outer_shape = shape[:block_dim]
             outer = math.prod(outer_shape)
             specs.append(
@@ -175,19 +183,23 @@ class KVLayout:
     # ----------------------------------------------------------------- validation
     def check_block_ids(self, block_ids: Any, name: str = "block_ids") -> list[int]:
         """Validate engine block ids: ints in ``[0, num_blocks)``, no duplicates. Returns a list of ints."""
-        if isinstance(block_ids, torch.Tensor):
+        if isinstance(block_ids, (torch.Tensor, np.ndarray)):
             block_ids = block_ids.tolist()
-        elif isinstance(block_ids, np.ndarray):
-            block_ids = block_ids.tolist()
-        try:
-            ids = [int(b) for b in block_ids]
-        except TypeError:
-            raise InvalidTypeError(f"{name} must be a sequence of ints, got {type(block_ids).__name__}") from None
-        for b, raw in zip(ids, block_ids):
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise InvalidTypeError(f"{name} must contain ints, got {raw!r}")
-            if b < 0 or b >= self.num_blocks:
-                raise BlockRangeError(f"{name} must be in [0, {self.num_blocks}), got {b}")
+        if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Iterable):
+            raise InvalidTypeError(f"{name} must be a sequence of ints, got {type(block_ids).__name__}")
+        ids: list[int] = []
+        num_blocks = self.num_blocks
+        for raw in block_ids:
+            # operator.index accepts int-like values only (numpy ints, 0-d tensors), never floats or strings.
+            try:
+                if isinstance(raw, bool):
+                    raise TypeError
+                b = operator.index(raw)
+            except TypeError:
+                raise InvalidTypeError(f"{name} must contain ints, got {raw!r}") from None
+            if b < 0 or b >= num_blocks:
+                raise BlockRangeError(f"{name} must be in [0, {num_blocks}), got {b}")
+            ids.append(b)
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"{name} must not contain duplicates, got {ids}")
         return ids
@@ -199,11 +211,11 @@ class KVLayout:
             bases: list[int] = []
             lens: list[int] = []
             offs: list[int] = []
-            for t, spec in zip(self.tensors, self.specs):
+            for t, spec in zip(self.tensors, self.specs, strict=True):
                 base = t.data_ptr()
                 off = spec.slot_offset
                 for outer_idx in np.ndindex(*spec.outer_shape) if spec.outer_shape else [()]:
-                    seg = base + sum(i * s for i, s in zip(outer_idx, spec.outer_strides))
+                    seg = base + sum(i * s for i, s in zip(outer_idx, spec.outer_strides, strict=True))
                     bases.append(seg)
                     lens.append(spec.inner_bytes)
                     offs.append(off)

@@ -250,7 +250,8 @@ class Request:
     def abort(self) -> _Completion:
         """Cancel the request: stores not yet submitted are dropped, copies in flight (loads included) are
         waited for. Resolves once every engine block may be reused. Idempotent."""
-        if self._abort_requested or self.state in (RequestState.FINISHED, RequestState.ABORTED):
+        if self._abort_requested or self.state in _ENDED:
+            # Already ending: resolve when the request task is done (its copies are then complete).
             fut = self._off.loop.create_future()
             if self._task is not None and not self._task.done():
                 self._task.add_done_callback(lambda _t: resolve(fut, None))
@@ -354,6 +355,13 @@ class Request:
                     return
         finally:
             self._waiter = None
+            while events:  # only reachable if the task itself was cancelled (offloader shutdown)
+                kind, _, fut = events.popleft()
+                if fut is not None and not fut.done():
+                    if kind is _Ev.ABORT:
+                        fut.set_result(None)
+                    else:
+                        fut.set_exception(RequestStateError(f"request {self.request_id!r} ended"))
             off._request_ended(self)
 
     def _track(self, tf: TransferFuture) -> None:

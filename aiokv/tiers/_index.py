@@ -214,6 +214,39 @@ class BlockIndex:
             self.on_evict.append(victim)
         return True
 
+    # ------------------------------------------------------- whole-chain fast path (replay)
+    def touch_prefix(self, keys: Sequence[bytes], start: int = 0) -> int:
+        """Touch the READY keys that ``keys[start:]`` leads with and return how many: a lookup that pins
+        nothing, for callers that use the blocks at once (``aiokv replay``). The policy sees the same calls as
+        for :meth:`pin_prefix`."""
+        entries = self._entries
+        touch = self.policy.touch
+        ready = EntryState.READY
+        n = 0
+        for i in range(start, len(keys)):
+            key = keys[i]
+            entry = entries.get(key)
+            if entry is None or entry.state is not ready:
+                break
+            touch(key)
+            n += 1
+        return n
+
+    def insert_chain(self, keys: Sequence[bytes], start: int = 0) -> int:
+        """:meth:`insert_ready` ``(keys[i], parent=keys[i - 1], depth=i)`` for each ``i >= start``, head first;
+        return how many keys were inserted. Present keys are touched; a key that finds no room is skipped."""
+        reserve = self.reserve
+        commit = self.commit
+        parent = keys[start - 1] if start > 0 else None
+        inserted = 0
+        for i in range(start, len(keys)):
+            key = keys[i]
+            if reserve(key, parent, i) is not None:
+                commit(key)
+                inserted += 1
+            parent = key
+        return inserted
+
     def stats(self) -> IndexStats:
         pending = self._pending
         return IndexStats(

@@ -1,0 +1,157 @@
+"""Sizes, model presets and the TTFT cost model of ``aiokv replay``.
+
+The cost model is deliberately simple and stated in full wherever its numbers are shown:
+
+    prefill time of a request  = input_tokens / prefill_tokens_per_s
+    with the cache             = (input_tokens - hit_tokens) / prefill_tokens_per_s
+                                 + sum over tiers t of loaded_blocks_t * block_bytes / bandwidth_t
+    TTFT saving                = hit_tokens / prefill_tokens_per_s - sum_t loaded_bytes_t / bandwidth_t
+
+Prefill cost is linear in tokens (attention's quadratic term, batching and queueing are ignored), loads are not
+overlapped with compute, and a hit is always loaded (an engine that recomputes when loading is slower would do
+at least as well). Summed over requests the saving is exact under this model, so it is computed from totals.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from .._errors import InvalidArgumentError
+
+__all__ = [
+    "DEFAULT_BANDWIDTHS",
+    "MODEL_PRESETS",
+    "TTFT_FORMULA",
+    "CostModel",
+    "ModelPreset",
+    "format_size",
+    "parse_bandwidth",
+    "parse_size",
+]
+
+TTFT_FORMULA = (
+    "ttft saving = hit_tokens / prefill_tokens_per_s - sum over tiers of loaded_bytes / tier_bandwidth "
+    "(linear prefill, loads not overlapped with compute)"
+)
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "p": 10**15,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_INFINITE = {"inf", "infinite", "unlimited"}
+
+
+def parse_size(text: str, *, what: str = "size") -> int | None:
+    """``"64GiB"`` -> 68719476736; decimal (kB, MB, GB, TB) and binary (KiB ... PiB) units, plain bytes, and
+    ``"inf"``/``"unlimited"`` -> ``None`` (no limit)."""
+    if text.strip().lower() in _INFINITE:
+        return None
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise InvalidArgumentError(f"{what} must be a number of bytes with an optional unit such as 64GiB, got {text!r}")
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value < 1:
+        raise InvalidArgumentError(f"{what} must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+def parse_bandwidth(text: str, *, what: str = "bandwidth") -> float:
+    """``"25GB/s"`` -> 25e9 bytes per second (the ``/s`` is optional)."""
+    stripped = text.strip()
+    if stripped.lower().endswith("/s"):
+        stripped = stripped[:-2]
+    size = parse_size(stripped, what=what)
+    if size is None:
+        return math.inf
+    return float(size)
+
+
+def format_size(n: float | None) -> str:
+    """Binary units, three significant digits: ``format_size(3 * 2**30) == "3 GiB"``."""
+    if n is None or math.isinf(n):
+        return "inf"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# Peak dense bf16 throughput of one H100 SXM and the model-FLOPs utilisation assumed for prefill.
+_GPU_FLOPS = 989e12
+_PREFILL_MFU = 0.4
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPreset:
+    """The KV footprint and a rough prefill speed of a model.
+
+    ``kv_bytes_per_token = layers * kv_heads * head_dim * 2 (K and V) * dtype_bytes``; ``prefill_tokens_per_s
+    = gpus * 989e12 * 0.4 / (2 * params)``: 40% of one H100's dense bf16 peak per GPU over the 2 * params FLOPs
+    a token costs (attention ignored). Both are estimates to compare tiers and policies, not predictions.
+    """
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    params: float
+    gpus: int = 1
+    dtype_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.gpus * _GPU_FLOPS * _PREFILL_MFU / (2 * self.params)
+
+
+MODEL_PRESETS: dict[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        ModelPreset("llama3-8b", layers=32, kv_heads=8, head_dim=128, params=8.0e9),
+        ModelPreset("llama3-70b", layers=80, kv_heads=8, head_dim=128, params=70.6e9, gpus=8),
+        ModelPreset("mistral-7b", layers=32, kv_heads=8, head_dim=128, params=7.2e9),
+        ModelPreset("qwen2-7b", layers=28, kv_heads=4, head_dim=128, params=7.6e9),
+        ModelPreset("qwen2-72b", layers=80, kv_heads=8, head_dim=128, params=72.7e9, gpus=8),
+    )
+}
+
+# Assumed read bandwidth into GPU memory per tier: PCIe 5.0 x16 from pinned host memory, one NVMe SSD,
+# Redis over 10 GbE.
+DEFAULT_BANDWIDTHS: dict[str, float] = {"cpu": 25e9, "disk": 6e9, "redis": 1.25e9}
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Inputs of the TTFT estimate (see the module docstring)."""
+
+    prefill_tokens_per_s: float
+
+    def __post_init__(self) -> None:
+        if not self.prefill_tokens_per_s > 0:
+            raise InvalidArgumentError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s!r}")

@@ -1,0 +1,139 @@
+"""Presenting replay results: a rich table, JSON and a hit-ratio-versus-capacity plot (matplotlib optional)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .._errors import AiokvError
+from ._model import TTFT_FORMULA, format_size
+from ._sim import ReplayResult
+
+__all__ = ["PlotUnavailableError", "require_matplotlib", "results_json", "results_table", "save_plot"]
+
+
+class PlotUnavailableError(AiokvError, RuntimeError):
+    """``--plot`` was asked for but matplotlib is not installed."""
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _seconds(s: float) -> str:
+    if abs(s) >= 3600:
+        return f"{s / 3600:.2f} h"
+    if abs(s) >= 60:
+        return f"{s / 60:.1f} min"
+    return f"{s:.2f} s"
+
+
+def _capacities(r: ReplayResult) -> str:
+    return ", ".join(f"{t.name}={format_size(t.capacity_bytes)}" for t in r.tiers)
+
+
+def results_table(results: Sequence[ReplayResult], *, title: str | None = None) -> Any:
+    """One row per run: capacities, policy, hit ratios (total and per tier), bytes moved, TTFT saving."""
+    from rich.table import Table
+
+    tier_names = list(dict.fromkeys(t.name for r in results for t in r.tiers))
+    table = Table(title=title, caption=TTFT_FORMULA, caption_justify="left")
+    table.add_column("policy")
+    table.add_column("capacity")
+    table.add_column("block hits", justify="right")
+    table.add_column("token hits", justify="right")
+    for name in tier_names:
+        table.add_column(f"{name} hits", justify="right")
+    table.add_column("loaded", justify="right")
+    table.add_column("stored", justify="right")
+    table.add_column("evicted", justify="right")
+    table.add_column("TTFT saved", justify="right")
+    for r in results:
+        per_tier = {t.name: t for t in r.tiers}
+        cells = [r.policy, _capacities(r), _pct(r.block_hit_ratio), _pct(r.token_hit_ratio)]
+        for name in tier_names:
+            t = per_tier.get(name)
+            cells.append("-" if t is None else _pct(t.hit_blocks / r.block_refs if r.block_refs else 0.0))
+        cells += [
+            format_size(sum(t.loaded_bytes for t in r.tiers)),
+            format_size(sum(t.stored_bytes + t.staged_bytes for t in r.tiers)),
+            format_size(sum(t.evicted_bytes for t in r.tiers)),
+            f"{_seconds(r.ttft_saved_s)} ({_pct(r.ttft_saved_ratio)})",
+        ]
+        table.add_row(*cells)
+    return table
+
+
+def tier_table(result: ReplayResult) -> Any:
+    """Per-tier detail of one run."""
+    from rich.table import Table
+
+    table = Table(title=f"{result.policy}: per tier")
+    for col in ("tier", "capacity", "blocks", "hits", "hit tokens", "loaded", "load time", "stored", "staged", "evicted"):
+        table.add_column(col, justify="left" if col == "tier" else "right")
+    for t in result.tiers:
+        table.add_row(
+            t.name,
+            format_size(t.capacity_bytes),
+            f"{t.slots:,}",
+            _pct(t.hit_blocks / result.block_refs if result.block_refs else 0.0),
+            f"{t.hit_tokens:,}",
+            format_size(t.loaded_bytes),
+            _seconds(t.load_s),
+            format_size(t.stored_bytes),
+            format_size(t.staged_bytes),
+            format_size(t.evicted_bytes),
+        )
+    return table
+
+
+def results_json(results: Sequence[ReplayResult], **meta: Any) -> str:
+    return json.dumps({**meta, "runs": [r.to_dict() for r in results]}, indent=2)
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotUnavailableError("--plot needs matplotlib; install it with: pip install 'aiokv[plot]'") from None
+
+
+def save_plot(
+    results: Sequence[ReplayResult],
+    path: str | Path,
+    *,
+    sweep_tier: str,
+    max_reuse: float | None = None,
+    title: str | None = None,
+) -> None:
+    """Block hit ratio against the capacity of ``sweep_tier``, one line per policy (log-scaled capacity)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    by_policy: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        tier = next(t for t in r.tiers if t.name == sweep_tier)
+        cap = tier.capacity_bytes if tier.capacity_bytes is not None else r.unique_blocks * r.block_bytes
+        by_policy.setdefault(r.policy, []).append((cap / 2**30, 100 * r.block_hit_ratio))
+    for policy, points in by_policy.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=policy)
+    if max_reuse is not None:
+        ax.axhline(100 * max_reuse, color="grey", linestyle="--", linewidth=1, label="unlimited capacity")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"{sweep_tier} capacity (GiB)")
+    ax.set_ylabel("block hit ratio (%)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,119 @@
+"""A tiny simulated engine for core tests: deterministic KV per prefix, a block pool that poisons freed blocks.
+
+The KV written for token position ``p`` of a sequence is a pure function of ``tokens[: p + 1]`` (a running
+hash, exactly representable in fp32), so any block loaded back can be checked against what a recomputation
+would have produced. Freed blocks are overwritten with garbage the instant the engine may reuse them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+import aiokv
+
+GARBAGE = -7.0
+MOD = 1 << 23
+
+
+def running_hashes(tokens: Sequence[int]) -> list[float]:
+    out: list[float] = []
+    h = 17
+    for t in tokens:
+        h = (h * 1000003 + int(t) + 1) % MOD
+        out.append(float(h))
+    return out
+
+
+class SimEngine:
+    """Paged KV tensors plus a free-block pool."""
+
+    def __init__(self, num_blocks: int = 64, block_size: int = 16, num_tensors: int = 4, width: int = 4) -> None:
+        self.block_size = block_size
+        self.tensors = [torch.full((num_blocks, block_size, width), GARBAGE) for _ in range(num_tensors)]
+        self.layout = aiokv.KVLayout(self.tensors, block_size=block_size)
+        self.free: list[int] = list(range(num_blocks))
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        out = self.free[:n]
+        del self.free[:n]
+        return out
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Return blocks to the pool and poison them, as a reusing engine would overwrite them."""
+        for b in blocks:
+            for i, t in enumerate(self.tensors):
+                t[b].fill_(GARBAGE - i)
+        self.free.extend(blocks)
+
+    def compute(self, tokens: Sequence[int], hashes: Sequence[float], blocks: Sequence[int], start: int, end: int) -> None:
+        """Write the KV of positions ``start..end-1`` into the request's blocks."""
+        bs = self.block_size
+        for p in range(start, end):
+            b = blocks[p // bs]
+            for i, t in enumerate(self.tensors):
+                t[b, p % bs].fill_(hashes[p] + i)
+
+    def check_block(self, hashes: Sequence[float], block: int, index: int) -> None:
+        """Assert engine block ``block`` holds the KV of the sequence's block ``index``."""
+        bs = self.block_size
+        for i, t in enumerate(self.tensors):
+            expect = torch.tensor(hashes[index * bs : (index + 1) * bs]) + i
+            got = t[block, :, 0]
+            assert torch.equal(got, expect), f"block {index} (engine block {block}) tensor {i}: {got} != {expect}"
+            assert torch.equal(t[block], got[:, None].expand_as(t[block]))
+
+
+class Gate:
+    """Holds the executor's worker threads before each copy until the test lets them go.
+
+    Installed by wrapping ``TransferExecutor._copy_store`` / ``_copy_load``; ``allow(k)`` lets ``k`` copies
+    through, ``open()`` lets everything through from now on.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._permits = 0
+        self._open = False
+
+    def allow(self, k: int = 1) -> None:
+        with self._cv:
+            self._permits += k
+            self._cv.notify_all()
+
+    def open(self) -> None:
+        with self._cv:
+            self._open = True
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._open = False
+            self._permits = 0
+
+    def wait(self) -> None:
+        with self._cv:
+            while not self._open and self._permits == 0:
+                self._cv.wait()
+            if not self._open:
+                self._permits -= 1
+
+    def install(self, monkeypatch: object, executor_cls: type = aiokv.TransferExecutor) -> None:
+        orig_store = executor_cls._copy_store
+        orig_load = executor_cls._copy_load
+        gate = self
+
+        def store(self_: object, a: object, b: object) -> None:
+            gate.wait()
+            orig_store(self_, a, b)
+
+        def load(self_: object, a: object, b: object) -> None:
+            gate.wait()
+            orig_load(self_, a, b)
+
+        monkeypatch.setattr(executor_cls, "_copy_store", store)  # type: ignore[attr-defined]
+        monkeypatch.setattr(executor_cls, "_copy_load", load)  # type: ignore[attr-defined]

@@ -1,0 +1,472 @@
+"""The request state machine: what gets stored when, the reuse guarantee, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+import aiokv
+from aiokv import CPUTier, Offloader, RequestState
+
+from ._sim import Gate, SimEngine, running_hashes
+
+pytestmark = pytest.mark.asyncio
+
+
+def _offloader(eng: SimEngine, blocks: int = 64, eviction: str = "lru") -> Offloader:
+    return Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=blocks * eng.layout.slot_bytes)], eviction=eviction)
+
+
+async def _prefill_and_decode(
+    eng: SimEngine, req: aiokv.Request, tokens: list[int], decode: list[int], *, skip_computed: int = 0
+) -> list[int]:
+    """Drive one request like an engine: prefill its tokens, then one step per sampled token in ``decode``.
+
+    The first sampled token comes from the prefill step; each later one from a decode step that computes the
+    previous token. Returns the engine blocks the request holds.
+    """
+    bs = eng.block_size
+    blocks = list(req.block_ids)
+    computed = skip_computed
+    hashes = running_hashes(tokens + decode)
+    for i, sampled in enumerate(decode):
+        end = len(tokens) + i  # tokens known before this step's sample
+        need = -(-end // bs) - len(blocks)
+        new = eng.alloc(need) if need > 0 else []
+        assert new is not None
+        blocks += new
+        eng.compute(tokens + decode, hashes, blocks, computed, end)
+        req.step(end, new_token_ids=(sampled,), new_block_ids=new)
+        computed = end
+    return blocks
+
+
+async def test_block_completed_by_final_step_is_stored() -> None:
+    """Block 16, prompt 30, three sampled tokens: the final decode step completes block 1 (tokens 16..31)
+    and the request finishes in the same breath. vLLM dropped that block; it must be stored here."""
+    eng = SimEngine(block_size=16)
+    prompt = list(range(100, 130))
+    decode = [7, 8, 9]  # t30 from prefill, t31 and t32 from decode steps; t32's KV is never written
+    async with _offloader(eng) as off:
+        req = off.open("a", prompt)
+        assert await req.lookup() == 0
+        blocks = await _prefill_and_decode(eng, req, prompt, decode)
+        assert req.num_computed_tokens == 32
+        await req.finish()
+        eng.release(blocks)
+        assert off.stats().blocks_stored == 2
+
+        follow = prompt + decode[:2] + [1, 2, 3]
+        req2 = off.open("b", follow)
+        assert await req2.lookup() == 32
+        dst = eng.alloc(2)
+        assert dst is not None
+        await req2.load(dst)
+        hashes = running_hashes(follow)
+        eng.check_block(hashes, dst[0], 0)
+        eng.check_block(hashes, dst[1], 1)
+        await req2.abort()
+
+
+@pytest.mark.parametrize("prompt_len", [2 * 16 - 1, 2 * 16 - 2])
+async def test_eos_stores_only_blocks_whose_kv_was_written(prompt_len: int) -> None:
+    """Prompts of 31 and 30 tokens ending with EOS after prefill: the sampled token's KV is never written, so
+    block 1 is incomplete and only block 0 is stored."""
+    eng = SimEngine(block_size=16)
+    prompt = list(range(prompt_len))
+    async with _offloader(eng) as off:
+        req = off.open("a", prompt)
+        await req.lookup()
+        blocks = await _prefill_and_decode(eng, req, prompt, [99] * (32 - prompt_len))
+        await req.finish()
+        eng.release(blocks)
+        assert off.stats().blocks_stored == 1
+        probe = off.open("b", prompt + [99] * (32 - prompt_len) + [5])
+        assert await probe.lookup() == 16
+        await probe.abort()
+
+
+async def test_state_is_shown_in_repr_and_transitions() -> None:
+    eng = SimEngine(block_size=4)
+    async with _offloader(eng) as off:
+        req = off.open("r", [1, 2, 3, 4, 5])
+        assert req.state is RequestState.WAITING
+        assert "WAITING" in repr(req)
+        await req.lookup()
+        blocks = await _prefill_and_decode(eng, req, [1, 2, 3, 4, 5], [6])
+        assert req.state is RequestState.RUNNING
+        fin = req.finish()
+        assert req.state is RequestState.FINISHING
+        await fin
+        assert req.state is RequestState.FINISHED
+        assert "FINISHED" in repr(req)
+        eng.release(blocks)
+        assert off.get("r") is None  # the id may be reused
+        off.open("r", [1]).abort()
+
+
+async def test_preempted_request_resumes_from_its_own_generated_tokens() -> None:
+    """After preempt() the request holds nothing; lookup() then sees prompt + generated tokens."""
+    eng = SimEngine(block_size=4)
+    prompt = list(range(10))
+    decode = [50, 51, 52, 53, 54, 55]
+    async with _offloader(eng) as off:
+        req = off.open("p", prompt)
+        await req.lookup()
+        blocks = await _prefill_and_decode(eng, req, prompt, decode)
+        assert req.num_computed_tokens == 15
+        await req.preempt()
+        assert req.state is RequestState.PREEMPTED
+        assert req.block_ids == ()
+        eng.release(blocks)
+        hit = await req.lookup()
+        assert hit == 12  # 16 known tokens -> at most 15 reusable -> 3 full blocks
+        dst = eng.alloc(3)
+        assert dst is not None
+        await req.load(dst)
+        hashes = running_hashes(prompt + decode)
+        for i, b in enumerate(dst):
+            eng.check_block(hashes, b, i)
+        # Resume: compute tokens 12..15 into a new block and keep going.
+        new = eng.alloc(1)
+        assert new is not None
+        blocks = dst + new
+        eng.compute(prompt + decode, hashes, blocks, 12, 16)
+        req.step(16, new_token_ids=(56,), new_block_ids=new)
+        await req.finish()
+        assert off.stats().blocks_stored == 4
+
+
+async def test_salt_isolates_tenants() -> None:
+    eng = SimEngine(block_size=4)
+    async with _offloader(eng) as off:
+        req = off.open("a", list(range(9)), salt="tenant-a")
+        await req.lookup()
+        blocks = await _prefill_and_decode(eng, req, list(range(9)), [1])
+        await req.finish()
+        eng.release(blocks)
+        other = off.open("b", list(range(9)), salt="tenant-b")
+        same = off.open("c", list(range(9)), salt="tenant-a")
+        assert await other.lookup() == 0
+        assert await same.lookup() == 8
+        await other.abort()
+        await same.abort()
+
+
+async def test_failed_store_is_never_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: object, a: object, b: object) -> None:
+        raise OSError("injected copy failure")
+
+    monkeypatch.setattr(aiokv.TransferExecutor, "_copy_store", broken)
+    eng = SimEngine(block_size=4)
+    async with _offloader(eng) as off:
+        req = off.open("a", list(range(9)))
+        await req.lookup()
+        blocks = await _prefill_and_decode(eng, req, list(range(9)), [1])
+        await req.finish()  # still resolves: the blocks are reusable, the entries were dropped
+        eng.release(blocks)
+        s = off.stats()
+        assert s.store_errors == 2
+        assert s.blocks_stored == 0
+        assert off.cpu.stats().used_slots == 0
+        probe = off.open("b", list(range(9)))
+        assert await probe.lookup() == 0
+        await probe.abort()
+        off.cpu.index.check_invariants()
+
+
+async def test_cancelled_load_before_submission_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The awaiting task is cancelled after load() posted its event but before the request task ran it:
+    nothing is copied, no entry stays pinned, and the request can look up again."""
+    eng = SimEngine(block_size=4)
+    prompt = list(range(9))
+    async with _offloader(eng) as off:
+        seed = off.open("seed", prompt)
+        await seed.lookup()
+        blocks = await _prefill_and_decode(eng, seed, prompt, [1])
+        await seed.finish()
+        eng.release(blocks)
+
+        req = off.open("r", prompt)
+        assert await req.lookup() == 8
+        assert off.cpu.stats().pinned == 2
+        dst = eng.alloc(2)
+        assert dst is not None
+
+        async def do_load() -> None:
+            await req.load(dst)
+
+        task = asyncio.create_task(do_load())
+        await asyncio.sleep(0)  # scheduling point: do_load posts the LOAD event and awaits it
+        task.cancel()  # ...before the request task, scheduled after us, processes the event
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        probe = req.lookup()  # queued behind the withdrawn load; resolves after it was skipped
+        assert await probe == 8
+        assert off.stats().blocks_loaded == 0
+        assert req.state is RequestState.WAITING
+        await req.abort()
+        assert off.cpu.stats().pinned == 0
+        for b in dst:  # never written
+            assert eng.tensors[0][b, 0, 0].item() == -7.0
+
+
+async def test_cancelled_load_after_submission_keeps_blocks_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the copy is on its stream it cannot be recalled: abort() resolves only after it completed, and
+    the source entries stay pinned (unevictable) until then."""
+    gate = Gate()
+    gate.install(monkeypatch)
+    gate.open()
+    eng = SimEngine(block_size=4)
+    prompt = list(range(9))
+    async with _offloader(eng) as off:
+        seed = off.open("seed", prompt)
+        await seed.lookup()
+        blocks = await _prefill_and_decode(eng, seed, prompt, [1])
+        await seed.finish()
+        eng.release(blocks)
+
+        gate.close()
+        req = off.open("r", prompt)
+        await req.lookup()
+        dst = eng.alloc(2)
+        assert dst is not None
+        loading = asyncio.ensure_future(_wait(req.load(dst)))
+        while off.stats().in_flight == 0:  # until the request task has submitted the copy
+            await asyncio.sleep(0)
+        loading.cancel()
+        aborting = asyncio.ensure_future(_wait(req.abort()))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not aborting.done()  # the copy is still held by the gate
+        assert off.cpu.stats().pinned == 2
+        gate.open()
+        await aborting
+        assert off.cpu.stats().pinned == 0
+        assert off.stats().in_flight == 0
+        hashes = running_hashes(prompt + [1])
+        eng.check_block(hashes, dst[0], 0)  # the copy did complete before abort() resolved
+        eng.check_block(hashes, dst[1], 1)
+
+
+async def test_cancelled_finish_still_finishes_without_reporting_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate()
+    gate.install(monkeypatch)
+    eng = SimEngine(block_size=4)
+    prompt = list(range(9))
+    async with _offloader(eng) as off:
+        req = off.open("r", prompt)
+        await req.lookup()
+        await _prefill_and_decode(eng, req, prompt, [1])
+        finishing = asyncio.ensure_future(_wait(req.finish()))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not finishing.done()
+        finishing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await finishing
+        assert off.stats().in_flight == 1
+        gate.open()
+        await req.abort()  # idempotent: resolves when the request task is done
+        assert req.state is RequestState.FINISHED
+        s = off.stats()
+        assert s.blocks_stored == 2 and s.in_flight == 0
+        assert off.cpu.stats().pending == 0
+
+
+async def test_aexit_drains_in_flight_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate()
+    gate.install(monkeypatch)
+    eng = SimEngine(block_size=4)
+    prompt = list(range(9))
+    off = _offloader(eng)
+    async with off:
+        req = off.open("r", prompt)
+        await req.lookup()
+        await _prefill_and_decode(eng, req, prompt, [1])
+        assert off.stats().in_flight == 0 or True
+        gate.allow(100)
+    assert off.stats().in_flight == 0
+    assert req.state is RequestState.ABORTED
+    with pytest.raises(aiokv.ClosedError, match="offloader is closed"):
+        off.open("x", [1])
+
+
+async def _wait(aw: object) -> object:
+    return await aw  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The reuse race, adversarially: thousands of seeded random schedules.
+
+
+@dataclass
+class _Sim:
+    rid: str
+    tokens: list[int]
+    decode_budget: int
+    end: str
+    req: aiokv.Request | None = None
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    phase: str = "lookup"
+    pending: asyncio.Future[object] | None = None
+    hashes: list[float] = field(default_factory=list)
+
+
+async def _run_schedule(seed: int, gate: Gate) -> dict[str, int]:
+    rng = random.Random(seed)
+    bs = 4
+    eng = SimEngine(num_blocks=rng.choice([6, 10, 24]), block_size=bs, num_tensors=2, width=2)
+    roomy = rng.random() < 0.4
+    cap = 256 if roomy else rng.choice([2, 3, 5, 8])
+    eviction = rng.choice(aiokv.policy_names())
+    bases = [[rng.randrange(40) for _ in range(rng.randint(4, 14))] for _ in range(3)]
+    finished: list[tuple[list[int], int]] = []
+    checked_loads = 0
+    gate.close()
+    async with Offloader(
+        eng.layout, tiers=[CPUTier(capacity_bytes=cap * eng.layout.slot_bytes)], eviction=eviction
+    ) as off:
+        sims: list[_Sim] = []
+        for i in range(rng.randint(2, 6)):
+            if finished and rng.random() < 0.4:
+                prev, _ = rng.choice(finished)
+                prompt = prev + [rng.randrange(40) for _ in range(rng.randint(1, 6))]
+            else:
+                base = rng.choice(bases)
+                prompt = base[: rng.randint(1, len(base))] + [rng.randrange(40) for _ in range(rng.randint(0, 5))]
+            end = rng.choices(["finish", "abort", "preempt"], weights=[6, 2, 2])[0]
+            sims.append(_Sim(f"r{i}", prompt, rng.randint(0, 6), end))
+        active = sims[: rng.randint(1, len(sims))]
+        queue = sims[len(active) :]
+        for s in active:
+            s.req = off.open(s.rid, s.tokens)
+
+        def start(s: _Sim, aw: object) -> None:
+            s.pending = asyncio.ensure_future(_wait(aw))
+
+        while active:
+            if rng.random() < 0.3:
+                gate.allow(rng.randint(1, 3))
+            s = rng.choice(active)
+            if s.pending is not None and not s.pending.done():
+                if all(x.pending is not None and not x.pending.done() for x in active):
+                    gate.open()
+                    await asyncio.wait([x.pending for x in active if x.pending], return_when=asyncio.FIRST_COMPLETED)
+                    gate.close()
+                else:
+                    await asyncio.sleep(0)  # a scheduling point: lets request tasks and callbacks run
+                continue
+            req = s.req
+            assert req is not None
+            result = s.pending.result() if s.pending is not None else None
+            s.pending = None
+            if s.phase == "lookup":
+                start(s, req.lookup())
+                s.phase = "lookup-wait"
+            elif s.phase == "lookup-wait":
+                assert isinstance(result, int)
+                n = result // bs
+                n = min(n, len(eng.free), rng.randint(0, n))
+                dst = eng.alloc(n)
+                assert dst is not None
+                s.blocks = dst
+                s.computed = n * bs
+                start(s, req.load(dst))
+                s.phase = "load-wait"
+            elif s.phase == "load-wait":
+                s.hashes = running_hashes(s.tokens)
+                for i, b in enumerate(s.blocks):
+                    eng.check_block(s.hashes, b, i)  # THE check: restored KV equals recomputation
+                    checked_loads += 1
+                s.phase = "run"
+            elif s.phase == "run":
+                known = len(s.tokens)
+                if s.computed < known:
+                    k = rng.randint(1, known - s.computed)
+                    need = -(-(s.computed + k) // bs) - len(s.blocks)
+                    new = eng.alloc(need) if need > 0 else []
+                    if new is None:
+                        start(s, req.preempt())
+                        s.phase = "preempt-wait"
+                        continue
+                    s.blocks += new
+                    s.hashes = running_hashes(s.tokens)
+                    eng.compute(s.tokens, s.hashes, s.blocks, s.computed, s.computed + k)
+                    s.computed += k
+                    sampled: tuple[int, ...] = ()
+                    if s.computed == known and s.decode_budget > 0:
+                        s.decode_budget -= 1
+                        sampled = (rng.randrange(40),)
+                        s.tokens.append(sampled[0])
+                    req.step(s.computed, new_token_ids=sampled, new_block_ids=new)
+                    if not sampled and s.computed == known:
+                        s.phase = "end"
+                elif rng.random() < 0.5:
+                    s.phase = "end"
+                if s.phase == "end" or rng.random() < 0.08:
+                    kind = s.end if s.phase == "end" else rng.choice(["preempt", "abort", "finish"])
+                    if kind == "preempt" and s.phase == "end":
+                        kind = "finish"  # a preempted request resumes; make sure it ends eventually
+                    start(s, getattr(req, kind)())
+                    s.phase = f"{kind}-wait"
+            elif s.phase in ("finish-wait", "abort-wait", "preempt-wait"):
+                eng.release(s.blocks)  # poison: the engine reuses them the instant the call resolved
+                s.blocks = []
+                if s.phase == "preempt-wait":
+                    s.computed = 0
+                    s.phase = "lookup"
+                    continue
+                if s.phase == "finish-wait":
+                    finished.append((list(s.tokens), s.computed))
+                active.remove(s)
+                if queue:
+                    nxt = queue.pop(0)
+                    nxt.req = off.open(nxt.rid, nxt.tokens)
+                    active.append(nxt)
+
+        gate.open()
+        stats = off.stats()
+        assert stats.in_flight == 0
+        cpu = off.cpu.stats()
+        assert cpu.pinned == 0 and cpu.pending == 0
+        off.cpu.index.check_invariants()
+        # Everything a finished request computed is still there unless eviction (counted) took it.
+        for i, (tokens, computed) in enumerate(finished):
+            probe = off.open(f"probe{i}", tokens)
+            hit = await probe.lookup()
+            expect = min(computed // bs, (len(tokens) - 1) // bs)
+            if roomy:
+                assert stats.evictions == 0 and stats.stores_dropped == 0
+                assert hit // bs >= expect, f"seed {seed}: finished request lost blocks ({hit // bs} < {expect})"
+            n = min(hit // bs, len(eng.free))
+            dst = eng.alloc(n)
+            assert dst is not None
+            await probe.load(dst)
+            hashes = running_hashes(tokens)
+            for j, b in enumerate(dst):
+                eng.check_block(hashes, b, j)
+                checked_loads += 1
+            await probe.finish()
+            eng.release(dst)
+    return {"loads": checked_loads, "evictions": stats.evictions}
+
+
+@pytest.mark.parametrize("chunk", range(10))
+async def test_reuse_race_random_schedules(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that poisons blocks the instant finish()/preempt()/abort() resolve, under seeded random
+    interleavings of steps, ends, resumes and gated copies, with tiny and roomy tiers: every block ever
+    loaded equals a recomputation of its prefix, and nothing is lost except by counted eviction."""
+    gate = Gate()
+    gate.install(monkeypatch)
+    loads = evictions = 0
+    for seed in range(chunk * 200, (chunk + 1) * 200):
+        out = await _run_schedule(seed, gate)
+        loads += out["loads"]
+        evictions += out["evictions"]
+    assert loads > 100  # the schedules really exercised restores
+    assert evictions > 0  # ...and eviction pressure
