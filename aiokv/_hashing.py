@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from ._errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["NONE_ROOT", "block_hashes", "make_root"]
+__all__ = ["NONE_ROOT", "block_hashes", "chain_seed", "make_root", "partial_block_hash"]
 
 _DOMAIN = b"aiokv/block/v1"
 NONE_ROOT = hashlib.sha256(b"aiokv/root/v1").digest()
@@ -92,3 +92,15 @@ def block_hashes(
         prev = sha(prev + packed[i * stride : (i + 1) * stride]).digest()
         out.append(prev)
     return out
+
+
+def chain_seed(*, salt: object = None, extra_keys: Sequence[object] = (), root: bytes = NONE_ROOT) -> bytes:
+    """The value chained into a sequence's first block: root, salt and extra keys."""
+    return hashlib.sha256(_DOMAIN + bytes(root) + _canon(salt) + _canon(tuple(extra_keys))).digest()
+
+
+def partial_block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Key of a partially filled block (``0 < len(token_ids)``) following ``parent`` (the previous block's
+    hash, or :func:`chain_seed` for a sequence's first block). Disjoint from full-block hashes."""
+    packed = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return hashlib.sha256(b"aiokv/partial/v1" + bytes(parent) + struct.pack("<I", len(token_ids)) + packed).digest()

@@ -42,6 +42,9 @@ class Offloader:
         write_through_max_bytes: bound on bytes queued or in flight towards each lower tier; writes beyond
             it are dropped and counted (the decode path never waits on a slow tier).
         close_timeout: seconds ``aclose()`` waits for queued write-through before dropping it.
+        store_partial_last_block: also store a request's partially filled last block at finish/preempt (under
+            a key that commits to exactly its tokens). ``lookup()`` may then return a count that is not a
+            multiple of ``block_size``: the last loaded block is partially filled. CPU tier only.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class Offloader:
         eviction: str | EvictionPolicy = "lru",
         write_through_max_bytes: int = 256 << 20,
         close_timeout: float = 30.0,
+        store_partial_last_block: bool = False,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidTypeError(f"layout must be an aiokv.KVLayout, got {type(layout).__name__}")
@@ -68,6 +72,7 @@ class Offloader:
             raise InvalidArgumentError(f"close_timeout must be >= 0, got {close_timeout!r}")
         self.layout = layout
         self.block_size = layout.block_size
+        self.store_partial_last_block = bool(store_partial_last_block)
         self.cpu: CPUTier = tiers[0]
         self.cpu.bind(layout, eviction)  # allocates the host buffer; raises CapacityError if too small
         self.lower: tuple[BackingTier, ...] = tuple(tiers[1:])  # type: ignore[arg-type]
@@ -228,6 +233,19 @@ class Offloader:
             ids.append(b)
         if not keys:
             return None
+        return self._submit_store(keys, slots, ids)
+
+    def _store_one(self, key: bytes, parent: bytes | None, depth: int, block_id: int) -> TransferFuture | None:
+        slot = self._index.reserve(key, parent, depth)
+        if slot is None:
+            if self._index.state(key) is not None:
+                self._counters.stores_deduplicated += 1
+            else:
+                self._counters.stores_dropped += 1
+            return None
+        return self._submit_store([key], [slot], [block_id])
+
+    def _submit_store(self, keys: list[bytes], slots: list[int], ids: list[int]) -> TransferFuture:
         tf = self.executor.submit_store(ids, slots)
         tf.add_done_callback(lambda f: self._store_done(f, keys))
         return tf

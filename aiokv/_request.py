@@ -21,7 +21,7 @@ from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import InvalidArgumentError, InvalidTypeError, RequestStateError
-from ._hashing import block_hashes
+from ._hashing import block_hashes, chain_seed, partial_block_hash
 from .transfer._future import TransferFuture, resolve
 
 if TYPE_CHECKING:
@@ -78,6 +78,7 @@ class Request:
         "_hit_blocks",
         "_in_flight",
         "_off",
+        "_partial",
         "_pinned",
         "_pinned_slots",
         "_stored_upto",
@@ -115,6 +116,7 @@ class Request:
         self._pinned: list[bytes] = []  # CPU entries pinned by the last lookup
         self._pinned_slots: list[int] = []
         self._hit_blocks: int | None = None  # result of the last completed lookup, until load/end
+        self._partial = 0  # tokens of a partially filled last block matched by the last lookup
         self._abort_requested = False
         self._task: asyncio.Task[None] | None = None
 
@@ -163,12 +165,18 @@ class Request:
             raise InvalidArgumentError(
                 f"block_ids must have at most {self._hit_blocks} blocks (the last lookup's hit), got {len(ids)}"
             )
+        partial = self._partial if len(ids) == self._hit_blocks else 0
         self._hit_blocks = None
         # The block table and counters change now, synchronously, so that step() right after is validated
         # against them; the copy itself is submitted by the task in order.
         self._blocks = list(ids)
-        self.num_computed_tokens = len(ids) * self._off.block_size
-        self._stored_upto = len(ids)
+        bs = self._off.block_size
+        if partial:  # the last block is only partially filled: it is not a stored full block yet
+            self.num_computed_tokens = (len(ids) - 1) * bs + partial
+            self._stored_upto = len(ids) - 1
+        else:
+            self.num_computed_tokens = len(ids) * bs
+            self._stored_upto = len(ids)
         self.state = RequestState.LOADING if ids else self.state
         return self._post(_Ev.LOAD, ids)
 
@@ -234,18 +242,19 @@ class Request:
         step); resolves once every engine block of this request may be reused."""
         self._check_alive("finish")
         self.state = RequestState.FINISHING
-        return self._post(_Ev.FINISH, None)
+        return self._post(_Ev.FINISH, self._partial_tail())
 
     def preempt(self) -> _Completion:
         """Give up the request's blocks but keep it open. Resolves once they may be reused; afterwards
         :meth:`lookup` / :meth:`load` / :meth:`step` rebuild the block table as for a new request."""
         self._check_alive("preempt")
+        tail = self._partial_tail()
         self._blocks = []
         self.num_computed_tokens = 0
         self._stored_upto = 0
         self._hit_blocks = None
         self.state = RequestState.PREEMPTED
-        return self._post(_Ev.PREEMPT, None)
+        return self._post(_Ev.PREEMPT, tail)
 
     def abort(self) -> _Completion:
         """Cancel the request: stores not yet submitted are dropped, copies in flight (loads included) are
@@ -268,6 +277,16 @@ class Request:
         )
 
     # ---------------------------------------------------------------- internals
+    def _partial_tail(self) -> tuple[int, int, int] | None:
+        """(block index, engine block, tokens) of a partially computed last block, when configured to store it."""
+        if not self._off.store_partial_last_block:
+            return None
+        bs = self._off.block_size
+        full, k = divmod(self.num_computed_tokens, bs)
+        if k == 0 or full >= len(self._blocks):
+            return None
+        return full, self._blocks[full], k
+
     def _check_alive(self, what: str) -> None:
         if self.state in _ENDED or self._abort_requested:
             raise RequestStateError(
@@ -338,6 +357,8 @@ class Request:
                     elif kind is _Ev.LOAD:
                         result = await self._do_load(payload)
                     else:
+                        if payload is not None and not self._abort_requested:
+                            self._do_store_partial(*payload)
                         await self._drain()
                         self._unpin()
                         result = None
@@ -386,6 +407,18 @@ class Request:
         if tf is not None:
             self._track(tf)
 
+    def _parent(self, index: int) -> bytes:
+        if index == 0:
+            return chain_seed(salt=self.salt, extra_keys=self.extra_keys, root=self._off.layout.root)
+        return self._chain(index)[index - 1]
+
+    def _do_store_partial(self, index: int, block_id: int, k: int) -> None:
+        bs = self._off.block_size
+        key = partial_block_hash(self._parent(index), self.token_ids[index * bs : index * bs + k])
+        tf = self._off._store_one(key, self._parent(index), index, block_id)
+        if tf is not None:
+            self._track(tf)
+
     async def _do_lookup(self) -> int:
         self._unpin()
         off = self._off
@@ -394,8 +427,21 @@ class Request:
         keys = self._chain(max_blocks)
         self._pinned, self._pinned_slots = await off._lookup_and_pin(keys)
         hit = len(self._pinned)
-        self._hit_blocks = hit
-        return hit * bs
+        self._partial = 0
+        if off.store_partial_last_block:
+            # Longest partially filled block continuing the full hit (CPU tier only).
+            start = hit * bs
+            parent = self._parent(hit)
+            for k in range(min(bs - 1, len(self.token_ids) - 1 - start), 0, -1):
+                key = partial_block_hash(parent, self.token_ids[start : start + k])
+                slots = off._index.pin_prefix([key])
+                if slots:
+                    self._pinned.append(key)
+                    self._pinned_slots.append(slots[0])
+                    self._partial = k
+                    break
+        self._hit_blocks = hit + (1 if self._partial else 0)
+        return hit * bs + self._partial
 
     async def _do_load(self, block_ids: list[int]) -> int:
         n = len(block_ids)

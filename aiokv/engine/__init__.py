@@ -3,12 +3,13 @@ vLLM's layout, and an asyncio continuous-batching scheduler that offloads and re
 :class:`aiokv.Offloader` (or recomputes everything when given none). See docs/engine.md."""
 
 from ._cache import AllocatorStats, BlockAllocator, PagedKVCache
-from ._engine import Engine, EngineStats, GenerationResult, TokenStream
+from ._engine import BlockEvent, Engine, EngineStats, GenerationResult, TokenStream
 from ._model import ModelConfig, SeqChunk, Transformer
 
 __all__ = [
     "AllocatorStats",
     "BlockAllocator",
+    "BlockEvent",
     "Engine",
     "EngineStats",
     "GenerationResult",

@@ -106,12 +106,13 @@ class _Breaker:
         self.probing = False
         self.reconnects = 0
 
-    def allow(self) -> bool:
-        """Whether a call may touch the server now. While down, lets exactly one probe through per interval."""
+    def allow(self) -> bool | None:
+        """Whether a call may touch the server now: ``None`` no (answer locally), ``False`` yes, ``True`` yes
+        as the probe of a down server (exactly one per backoff interval)."""
         if self.state is not TierHealth.DOWN:
-            return True
-        if self.probing or self._clock() < self.retry_at:
             return False
+        if self.probing or self._clock() < self.retry_at:
+            return None
         self.probing = True
         return True
 
@@ -123,21 +124,24 @@ class _Breaker:
         self.backoff = self._backoff0
         self.probing = False
 
-    def failure(self) -> None:
+    def failure(self, probe: bool) -> None:
         self.failures += 1
-        if self.state is TierHealth.DOWN:  # a failed probe: wait longer
+        if probe:  # the server is still gone: wait longer before the next probe
             self.backoff = min(self.backoff * 2, self._backoff_max)
             self.retry_at = self._clock() + self.backoff
             self.probing = False
+        elif self.state is TierHealth.DOWN:
+            pass  # a call already in flight when the server was declared down
         elif self.failures >= self._failures_to_down:
             self.state = TierHealth.DOWN
             self.retry_at = self._clock() + self.backoff
         else:
             self.state = TierHealth.DEGRADED
 
-    def abandoned(self) -> None:
+    def abandoned(self, probe: bool) -> None:
         """The call was cancelled before it could tell: let the next call probe."""
-        self.probing = False
+        if probe:
+            self.probing = False
 
 
 class _Failed:
@@ -347,28 +351,29 @@ class RedisTier(BackingTier):
         """Run one round trip under the breaker and the deadline (loop time); never raises but cancellation."""
         client = self._client
         breaker = self._breaker
-        if client is None or not breaker.allow():
+        probe = breaker.allow()
+        if client is None or probe is None:
             self._c["skipped"] += 1
             return _FAILED
         if deadline <= _now():
-            return self._failed(TimeoutError("deadline passed before the round trip"), timeout=True)
+            return self._failed(TimeoutError("deadline passed before the round trip"), probe, timeout=True)
         try:
             async with _timeout_at(deadline):
                 result = await op(client)
         except asyncio.CancelledError:
-            breaker.abandoned()
+            breaker.abandoned(probe)
             raise
         except TimeoutError as exc:  # redis' TimeoutError is not a builtin TimeoutError subclass
-            return self._failed(exc, timeout=True)
+            return self._failed(exc, probe, timeout=True)
         except Exception as exc:  # any failure of the backend is a miss, never an error
-            return self._failed(exc, timeout="Timeout" in type(exc).__name__)
+            return self._failed(exc, probe, timeout="Timeout" in type(exc).__name__)
         breaker.success()
         return result
 
-    def _failed(self, exc: BaseException, *, timeout: bool) -> _Failed:
+    def _failed(self, exc: BaseException, probe: bool, *, timeout: bool) -> _Failed:
         self._c["timeouts" if timeout else "errors"] += 1
         self._last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        self._breaker.failure()
+        self._breaker.failure(probe)
         return _FAILED
 
     def _batch_len(self) -> int:

@@ -68,6 +68,15 @@ class SimEngine:
             assert torch.equal(t[block], got[:, None].expand_as(t[block]))
 
 
+    def check_tokens(self, hashes: Sequence[float], blocks: Sequence[int], num_tokens: int) -> None:
+        """Assert the first ``num_tokens`` positions held by ``blocks`` carry the sequence's KV."""
+        bs = self.block_size
+        for p in range(num_tokens):
+            b = blocks[p // bs]
+            for i, t in enumerate(self.tensors):
+                got = t[b, p % bs]
+                assert torch.all(got == hashes[p] + i), f"position {p} (engine block {b}) tensor {i}: {got}"
+
 class Gate:
     """Holds the executor's worker threads before each copy until the test lets them go.
 
@@ -117,3 +126,4 @@ class Gate:
 
         monkeypatch.setattr(executor_cls, "_copy_store", store)  # type: ignore[attr-defined]
         monkeypatch.setattr(executor_cls, "_copy_load", load)  # type: ignore[attr-defined]
+

@@ -328,8 +328,12 @@ async def _run_schedule(seed: int, gate: Gate) -> dict[str, int]:
     finished: list[tuple[list[int], int]] = []
     checked_loads = 0
     gate.close()
+    partial = rng.random() < 0.3
     async with Offloader(
-        eng.layout, tiers=[CPUTier(capacity_bytes=cap * eng.layout.slot_bytes)], eviction=eviction
+        eng.layout,
+        tiers=[CPUTier(capacity_bytes=cap * eng.layout.slot_bytes)],
+        eviction=eviction,
+        store_partial_last_block=partial,
     ) as off:
         sims: list[_Sim] = []
         for i in range(rng.randint(2, 6)):
@@ -370,19 +374,20 @@ async def _run_schedule(seed: int, gate: Gate) -> dict[str, int]:
                 s.phase = "lookup-wait"
             elif s.phase == "lookup-wait":
                 assert isinstance(result, int)
-                n = result // bs
+                n = -(-result // bs)  # a partially filled last block counts
                 n = min(n, len(eng.free), rng.randint(0, n))
                 dst = eng.alloc(n)
                 assert dst is not None
                 s.blocks = dst
-                s.computed = n * bs
+                s.computed = min(result, n * bs)
                 start(s, req.load(dst))
                 s.phase = "load-wait"
             elif s.phase == "load-wait":
                 s.hashes = running_hashes(s.tokens)
-                for i, b in enumerate(s.blocks):
-                    eng.check_block(s.hashes, b, i)  # THE check: restored KV equals recomputation
-                    checked_loads += 1
+                # THE check: restored KV equals a recomputation of its prefix.
+                eng.check_tokens(s.hashes, s.blocks, s.computed)
+                assert req.num_computed_tokens == s.computed
+                checked_loads += len(s.blocks)
                 s.phase = "run"
             elif s.phase == "run":
                 known = len(s.tokens)
@@ -443,14 +448,12 @@ async def _run_schedule(seed: int, gate: Gate) -> dict[str, int]:
             if roomy:
                 assert stats.evictions == 0 and stats.stores_dropped == 0
                 assert hit // bs >= expect, f"seed {seed}: finished request lost blocks ({hit // bs} < {expect})"
-            n = min(hit // bs, len(eng.free))
+            n = min(-(-hit // bs), len(eng.free))
             dst = eng.alloc(n)
             assert dst is not None
             await probe.load(dst)
-            hashes = running_hashes(tokens)
-            for j, b in enumerate(dst):
-                eng.check_block(hashes, b, j)
-                checked_loads += 1
+            eng.check_tokens(running_hashes(tokens), dst, min(hit, n * bs))
+            checked_loads += n
             await probe.finish()
             eng.release(dst)
     return {"loads": checked_loads, "evictions": stats.evictions}
@@ -470,3 +473,54 @@ async def test_reuse_race_random_schedules(chunk: int, monkeypatch: pytest.Monke
         evictions += out["evictions"]
     assert loads > 100  # the schedules really exercised restores
     assert evictions > 0  # ...and eviction pressure
+
+
+async def test_partial_last_block_is_reused_by_the_next_turn() -> None:
+    """With store_partial_last_block, the next turn reuses this one up to its exact last computed token,
+    not just up to the last full block."""
+    eng = SimEngine(block_size=4)
+    off = Offloader(
+        eng.layout, tiers=[CPUTier(capacity_bytes=64 * eng.layout.slot_bytes)], store_partial_last_block=True
+    )
+    async with off:
+        turn1 = list(range(9))
+        req = off.open("t1", turn1)
+        await req.lookup()
+        blocks = await _prefill_and_decode(eng, req, turn1, [40, 41, 42])  # computes 9, 10, then 11 tokens
+        assert req.num_computed_tokens == 11  # blocks 0-1 full, block 2 holds 3 computed tokens
+        await req.finish()
+        eng.release(blocks)
+        s = off.stats()
+        assert s.blocks_stored == 3  # two full blocks + the partial one
+
+        turn2 = [*turn1, 40, 41, 42, 7, 7]
+        t2 = off.open("t2", turn2)
+        assert await t2.lookup() == 11
+        dst = eng.alloc(3)
+        assert dst is not None
+        await t2.load(dst)
+        assert t2.num_computed_tokens == 11
+        h2 = running_hashes(turn2)
+        eng.check_block(h2, dst[0], 0)
+        eng.check_block(h2, dst[1], 1)
+        for p in range(3):
+            assert eng.tensors[0][dst[2], p, 0].item() == h2[8 + p]
+        # The engine continues from token 11 in the partially filled block.
+        eng.compute(turn2, h2, dst, 11, 12)
+        t2.step(12, new_token_ids=(1,))
+        await t2.finish()
+        assert off.stats().blocks_stored == 4  # block 2 is now stored as a full block too
+
+
+async def test_without_partial_option_hits_are_block_multiples() -> None:
+    eng = SimEngine(block_size=4)
+    async with _offloader(eng) as off:
+        turn1 = list(range(9))
+        req = off.open("t1", turn1)
+        await req.lookup()
+        blocks = await _prefill_and_decode(eng, req, turn1, [40, 41, 42])
+        await req.finish()
+        eng.release(blocks)
+        t2 = off.open("t2", [*turn1, 40, 41, 42, 7])
+        assert await t2.lookup() == 8
+        await t2.abort()

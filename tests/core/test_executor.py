@@ -1,0 +1,370 @@
+"""TransferExecutor (CPU backend): futures stand for submitted work, complete in FIFO order per direction,
+carry copy failures as TransferError, survive cancelled awaiters and a closed loop, and aclose() drains."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+import aiokv
+from aiokv import ClosedError, CPUTier, KVLayout, Offloader, TransferError, TransferExecutor, TransferFuture
+from aiokv.transfer import _cpu as cpu_mod
+from aiokv.transfer import _executor as executor_mod
+from aiokv.transfer._future import call_soon_threadsafe_guarded, resolve
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover
+    uvloop = None
+
+NB = 16
+BS = 4
+GATE_TIMEOUT_S = 10.0  # a hang guard: a gate is always opened by the test long before this
+
+
+def make_layout() -> KVLayout:
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(NB, BS, 2, 8, generator=gen)
+    return KVLayout([k, torch.randn(NB, BS, 2, 8, generator=gen)], block_size=BS)
+
+
+def make_host(layout: KVLayout, slots: int = NB) -> torch.Tensor:
+    return torch.zeros(slots * layout.slot_bytes, dtype=torch.uint8)
+
+
+def slot_bytes_of(layout: KVLayout, host: torch.Tensor, slot: int) -> bytes:
+    return host[slot * layout.slot_bytes : (slot + 1) * layout.slot_bytes].numpy().tobytes()
+
+
+def block_bytes_of(layout: KVLayout, b: int) -> bytes:
+    return b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in layout.tensors)
+
+
+class Gate:
+    """Holds copies on their worker thread until the test opens it; records what ran, in order."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.ran: list[tuple[str, int]] = []
+
+    def wrap(self, kind: str, real: Callable[..., None]) -> Callable[..., None]:
+        def copy(ex: TransferExecutor, a: Sequence[int], b: Sequence[int]) -> None:
+            assert self.event.wait(GATE_TIMEOUT_S), "gate never opened"
+            self.ran.append((kind, a[0]))
+            real(ex, a, b)
+
+        return copy
+
+    def open(self) -> None:
+        self.event.set()
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate()
+    monkeypatch.setattr(TransferExecutor, "_copy_store", g.wrap("store", TransferExecutor._copy_store))
+    monkeypatch.setattr(TransferExecutor, "_copy_load", g.wrap("load", TransferExecutor._copy_load))
+    yield g
+    g.open()  # never leave a worker thread blocked, whatever the test did
+
+
+async def settle(n: int = 5) -> None:
+    """Let already-scheduled callbacks run (no waiting on time)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+# ------------------------------------------------------------------------------------- submission
+@pytest.mark.asyncio
+async def test_a_transfer_future_exists_only_after_its_job_is_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    queued: list[object] = []
+    queued_at_creation: list[int] = []
+    real_submit = cpu_mod.CPUStream.submit
+
+    def submit(stream: cpu_mod.CPUStream, job: Callable[[], None], fut: asyncio.Future[None]) -> None:
+        real_submit(stream, job, fut)
+        queued.append(job)
+
+    class RecordingFuture(TransferFuture):
+        __slots__ = ()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            queued_at_creation.append(len(queued))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_mod.CPUStream, "submit", submit)
+    monkeypatch.setattr(executor_mod, "TransferFuture", RecordingFuture)
+    layout = make_layout()
+    ex = TransferExecutor(layout, make_host(layout), asyncio.get_running_loop())
+    try:
+        tf1 = ex.submit_store([0, 1], [0, 1])
+        assert queued_at_creation == [1]  # the future was made after its job was queued
+        assert (tf1.kind, tf1.num_blocks, tf1.nbytes) == ("store", 2, 2 * layout.slot_bytes)
+        await tf1  # the two directions are independent streams: a load must wait for the store it reads
+        tf2 = ex.submit_load([0, 1], [2, 3])
+        assert queued_at_creation == [1, 2]
+        assert (tf2.kind, tf2.event) == ("load", None)
+        await tf2
+        assert block_bytes_of(layout, 2) == block_bytes_of(layout, 0)
+    finally:
+        await ex.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_submission_leaves_no_future_and_no_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[object] = []
+    monkeypatch.setattr(executor_mod, "TransferFuture", lambda *a, **k: made.append(a))
+
+    def refuse(stream: cpu_mod.CPUStream, job: object, fut: object) -> None:
+        raise RuntimeError("stream is closed")
+
+    monkeypatch.setattr(cpu_mod.CPUStream, "submit", refuse)
+    layout = make_layout()
+    ex = TransferExecutor(layout, make_host(layout), asyncio.get_running_loop())
+    try:
+        with pytest.raises(RuntimeError, match="stream is closed"):
+            ex.submit_store([0], [0])
+        assert made == []
+        stats = ex.stats()
+        assert (stats.submitted, stats.in_flight, stats.in_flight_bytes) == (0, 0, 0)
+    finally:
+        monkeypatch.undo()
+        await ex.aclose()
+    with pytest.raises(ClosedError, match=r"transfer executor is closed"):
+        ex.submit_store([0], [0])
+
+
+# ------------------------------------------------------------------------------------------ order
+@pytest.mark.asyncio
+async def test_futures_complete_in_fifo_order_per_direction(gate: Gate) -> None:
+    layout = make_layout()
+    ex = TransferExecutor(layout, make_host(layout), asyncio.get_running_loop())
+    completed: list[tuple[str, int]] = []
+    futures = []
+    try:
+        for i in range(NB):
+            # Stores tagged by block id, loads by slot id (the first argument of each copy).
+            tf = ex.submit_store([i], [i]) if i % 3 else ex.submit_load([i], [(i + 1) % NB])
+            tag = (tf.kind, i)
+            tf.add_done_callback(lambda _f, tag=tag: completed.append(tag))
+            futures.append(tf)
+        await settle()
+        assert completed == []  # every copy is held by the gate
+        stats = ex.stats()
+        assert stats.in_flight == NB
+        assert stats.in_flight_bytes == NB * layout.slot_bytes
+        gate.open()
+        for tf in futures:
+            await tf
+    finally:
+        gate.open()
+        await ex.aclose()
+    for kind in ("store", "load"):
+        submitted = [i for i in range(NB) if (i % 3 != 0) == (kind == "store")]
+        assert [i for k, i in completed if k == kind] == submitted
+        assert [i for k, i in gate.ran if k == kind] == submitted
+    assert ex.stats().in_flight_bytes == 0
+
+
+# ----------------------------------------------------------------------------------------- errors
+def failing_copy(ex: TransferExecutor, a: Sequence[int], b: Sequence[int]) -> None:
+    raise OSError("injected copy failure")
+
+
+@pytest.mark.asyncio
+async def test_a_failing_copy_resolves_with_transfer_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TransferExecutor, "_copy_store", failing_copy)
+    layout = make_layout()
+    ex = TransferExecutor(layout, make_host(layout), asyncio.get_running_loop())
+    try:
+        tf = ex.submit_store([0, 1], [0, 1])
+        with pytest.raises(TransferError, match=r"store copy failed: OSError\('injected copy failure'\)") as info:
+            await tf
+        assert isinstance(info.value.__cause__, OSError)
+        assert isinstance(tf.exception(), TransferError)
+        ok = ex.submit_load([0], [3])  # the stream survives a failed job
+        await ok
+        stats = ex.stats()
+        assert (stats.submitted, stats.failed, stats.in_flight) == (2, 1, 0)
+    finally:
+        await ex.aclose()
+
+
+@pytest.mark.asyncio
+async def test_failed_store_is_discarded_never_visible_and_counted(monkeypatch: pytest.MonkeyPatch, gate: Gate) -> None:
+    fail = threading.Event()
+    real = TransferExecutor._copy_store  # the gated copy
+
+    def maybe_failing(ex: TransferExecutor, a: Sequence[int], b: Sequence[int]) -> None:
+        if fail.is_set():
+            assert gate.event.wait(GATE_TIMEOUT_S)
+            raise OSError("injected copy failure")
+        real(ex, a, b)
+
+    monkeypatch.setattr(TransferExecutor, "_copy_store", maybe_failing)
+    layout = make_layout()
+    tokens = list(range(3 * BS + 1))
+    async with Offloader(layout, [CPUTier(capacity_bytes=8 * layout.slot_bytes)]) as off:
+        fail.set()
+        writer = off.open("w", tokens)
+        writer.step(3 * BS, new_block_ids=[0, 1, 2])
+        await settle()
+        assert off.stats().tiers[0].pending == 3
+        probe = off.open("p", tokens)
+        assert await probe.lookup() == 0  # pending entries are invisible
+        await probe.abort()
+        gate.open()
+        await writer.finish()  # finish resolves: a failed store only costs the cache entry
+        stats = off.stats()
+        assert stats.store_errors == 3
+        assert stats.errors == 3
+        assert stats.blocks_stored == 0
+        cpu = stats.tiers[0]
+        assert (cpu.used_slots, cpu.pending, cpu.ready, cpu.pinned) == (0, 0, 0, 0)
+        off.cpu.index.check_invariants()
+        probe = off.open("p", tokens)
+        assert await probe.lookup() == 0
+        await probe.abort()
+        # The discarded slots are reusable: the next store of the same blocks succeeds.
+        fail.clear()
+        writer = off.open("w", tokens)
+        writer.step(3 * BS, new_block_ids=[0, 1, 2])
+        await writer.finish()
+        assert off.stats().blocks_stored == 3
+        probe = off.open("p", tokens)
+        assert await probe.lookup() == 3 * BS
+        await probe.abort()
+
+
+# ----------------------------------------------------------------------------------- cancellation
+@pytest.mark.asyncio
+async def test_cancelling_an_awaiter_does_not_cancel_the_copy(gate: Gate) -> None:
+    layout = make_layout()
+    host = make_host(layout)
+    ex = TransferExecutor(layout, host, asyncio.get_running_loop())
+    try:
+        tf = ex.submit_store([5], [2])
+
+        async def waiter() -> None:
+            await tf
+
+        task = asyncio.create_task(waiter())
+        await settle()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not tf.done()  # abandoned by its awaiter, still on the stream
+        assert ex.stats().in_flight == 1
+        gate.open()
+        await tf
+        assert slot_bytes_of(layout, host, 2) == block_bytes_of(layout, 5)
+    finally:
+        gate.open()
+        await ex.aclose()
+
+
+@pytest.mark.asyncio
+async def test_completion_of_a_cancelled_future_is_ignored(gate: Gate) -> None:
+    """The worker's completion must not call set_result on a future somebody cancelled."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    layout = make_layout()
+    ex = TransferExecutor(layout, make_host(layout), loop)
+    try:
+        tf = ex.submit_store([1], [1])
+        tf._fut.cancel()
+        gate.open()
+        nxt = ex.submit_store([2], [2])  # same stream: done after the cancelled one was resolved
+        await nxt
+        await settle()
+        assert errors == []
+        assert ex.stats().in_flight == 0
+    finally:
+        loop.set_exception_handler(None)
+        gate.open()
+        await ex.aclose()
+
+
+def loop_factories() -> list[Any]:
+    factories: list[Any] = [pytest.param(asyncio.new_event_loop, id="asyncio")]
+    if uvloop is not None:
+        factories.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
+    return factories
+
+
+@pytest.mark.parametrize("new_loop", loop_factories())
+def test_guarded_call_soon_threadsafe_on_a_closed_loop(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    loop = new_loop()
+    fut = loop.create_future()
+    loop.close()
+    assert call_soon_threadsafe_guarded(loop, resolve, fut, None) is False
+    assert not fut.done()
+
+
+@pytest.mark.parametrize("new_loop", loop_factories())
+def test_completion_after_the_loop_closed_does_not_kill_the_worker(
+    new_loop: Callable[[], asyncio.AbstractEventLoop], gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    thread_errors: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    layout = make_layout()
+    host = make_host(layout)
+    loop = new_loop()
+    ex = TransferExecutor(layout, host, loop)
+    assert ex._streams is not None
+    store_stream = ex._streams[0]
+    tf = ex.submit_store([3], [0])
+    loop.close()  # the engine went away with a copy still running
+    gate.open()
+    store_stream.close()  # joins the worker after it completed the copy and tried to notify the loop
+    ex._streams[1].close()
+    assert not store_stream._thread.is_alive()
+    assert thread_errors == []
+    assert gate.ran == [("store", 3)]
+    assert slot_bytes_of(layout, host, 0) == block_bytes_of(layout, 3)
+    assert not tf.done()  # nobody was left to resolve it
+
+
+# ---------------------------------------------------------------------------------------- aclose
+@pytest.mark.asyncio
+async def test_aclose_drains_in_flight_copies(gate: Gate) -> None:
+    layout = make_layout()
+    host = make_host(layout)
+    ex = TransferExecutor(layout, host, asyncio.get_running_loop())
+    futures = [ex.submit_store([b], [b]) for b in range(4)] + [ex.submit_load([0], [9])]
+    closer = asyncio.create_task(ex.aclose())
+    await settle()
+    assert not closer.done()  # waiting for the gated copies
+    with pytest.raises(ClosedError, match=r"transfer executor is closed"):
+        ex.submit_store([7], [7])
+    assert ex.stats().submitted == 5
+    gate.open()
+    await closer
+    assert all(tf.done() and tf.exception() is None for tf in futures)
+    stats = ex.stats()
+    assert (stats.in_flight, stats.in_flight_bytes, stats.failed) == (0, 0, 0)
+    assert ex._streams is None  # the worker threads were joined
+    for b in range(4):
+        assert slot_bytes_of(layout, host, b) == block_bytes_of(layout, b)
+    await ex.aclose()  # idempotent
+
+
+@pytest.mark.asyncio
+async def test_executor_rejects_a_bad_host_buffer() -> None:
+    layout = make_layout()
+    loop = asyncio.get_running_loop()
+    for bad in (torch.zeros(64, dtype=torch.float32), torch.zeros(8, 8, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)[::2]):
+        with pytest.raises(ValueError, match=r"host buffer must be a contiguous 1-d uint8 tensor"):
+            TransferExecutor(layout, bad, loop)
+
+
+def test_executor_stats_is_a_frozen_record() -> None:
+    stats = aiokv.ExecutorStats(backend="cpu", in_flight=0, in_flight_bytes=0, submitted=0, failed=0)
+    with pytest.raises(AttributeError):
+        stats.in_flight = 1  # type: ignore[misc]

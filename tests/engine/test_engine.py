@@ -1,0 +1,298 @@
+"""The engine: offloading on vs off, the block-reuse guarantee, preemption, streaming, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+import aiokv
+from aiokv.engine import Engine, EngineStats, PagedKVCache, Transformer
+
+from ._workload import KVRecorder, chat
+from .conftest import TINY
+
+
+def _offloader(cache: PagedKVCache) -> aiokv.Offloader:
+    return aiokv.Offloader(cache.layout(), tiers=[aiokv.CPUTier(capacity_bytes=32 << 20)], eviction="lru")
+
+
+def _assert_accounting(stats: EngineStats) -> None:
+    assert stats.admitted_tokens == stats.cached_tokens + stats.prefill_tokens + stats.abandoned_prefill_tokens
+    assert stats.forward_tokens == stats.prefill_tokens + stats.decode_tokens
+    assert stats.free_blocks == stats.num_blocks
+    assert stats.releasing_blocks == stats.waiting == stats.running == stats.admitting == 0
+
+
+async def _run(
+    model: Transformer, num_blocks: int, *, offload: bool, recorder: bool = True, **workload: Any
+) -> tuple[dict[str, Any], EngineStats, aiokv.OffloaderStats | None, KVRecorder]:
+    cache = PagedKVCache(model.config, num_blocks)
+    rec = KVRecorder(cache)
+    hook = rec if recorder else None
+    if not offload:
+        async with Engine(model, cache, max_num_batched_tokens=64, on_blocks=hook) as engine:
+            results = await chat(engine, **workload)
+            await engine.wait_idle()
+            return results, engine.stats(), None, rec
+    async with _offloader(cache) as off, Engine(model, cache, offloader=off, max_num_batched_tokens=64, on_blocks=hook) as engine:
+        results = await chat(engine, **workload)
+        await engine.wait_idle()
+        return results, engine.stats(), off.stats(), rec
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("seed", "temperature"), [(0, 0.0), (1, 0.0), (2, 0.8)])
+async def test_offload_matches_recompute_across_multi_turn_workloads_with_preemption(
+    tiny_model: Transformer, seed: int, temperature: float
+) -> None:
+    """Four concurrent 3-turn chats on a 20-block pool (each context grows to ~12 blocks): requests are
+    preempted and their prefixes leave the engine and come back from the CPU tier. Tokens, last logits and
+    restored KV bytes must all be bitwise those of the recompute run."""
+    workload = dict(sessions=4, turns=3, seed=seed, temperature=temperature)
+    cold, cold_stats, _, cold_kv = await _run(tiny_model, 20, offload=False, **workload)
+    warm, warm_stats, off_stats, warm_kv = await _run(tiny_model, 20, offload=True, **workload)
+    assert off_stats is not None
+
+    assert cold.keys() == warm.keys()
+    for rid, c in cold.items():
+        w = warm[rid]
+        assert w.output_token_ids == c.output_token_ids, rid
+        # Bitwise on CPU (the forward is batch invariant); the stated fp32 tolerance elsewhere is 0.
+        assert torch.equal(w.last_logits, c.last_logits), rid
+
+    assert cold_stats.preemptions > 0 and warm_stats.preemptions > 0
+    assert cold_stats.cached_tokens == 0
+    assert warm_stats.cached_tokens > 0
+    assert warm_stats.cached_tokens == off_stats.hit_tokens == sum(r.cached_tokens for r in warm.values())
+    assert off_stats.bytes_loaded == off_stats.hit_tokens * TINY.bytes_per_token
+    _assert_accounting(cold_stats)
+    _assert_accounting(warm_stats)
+    # Prefill actually computed is what was admitted minus exactly what was restored (and what preemption
+    # cut short); the recompute run restores nothing.
+    assert warm_stats.prefill_tokens == warm_stats.admitted_tokens - warm_stats.cached_tokens - warm_stats.abandoned_prefill_tokens
+
+    # Every restored prefix holds bitwise the KV the recompute run computed for the same positions.
+    assert warm_kv.loaded
+    for rid, tokens, kv in warm_kv.loaded:
+        cold_tokens, cold_tensors = cold_kv.released[rid]
+        n = len(tokens)
+        assert cold_tokens[:n] == tokens
+        for restored, computed in zip(kv, cold_tensors, strict=True):
+            assert torch.equal(restored, computed[:n]), rid
+
+
+@pytest.mark.asyncio
+async def test_prefill_computed_drops_by_exactly_the_hit_count(tiny_model: Transformer) -> None:
+    """One session, five turns, a pool large enough for no preemption: the offload run computes exactly
+    ``hit_tokens`` fewer prefill positions than the recompute run, and the same decode positions."""
+    workload = dict(sessions=1, turns=5, seed=3)
+    cold, cold_stats, _, _ = await _run(tiny_model, 64, offload=False, recorder=False, **workload)
+    warm, warm_stats, off_stats, _ = await _run(tiny_model, 64, offload=True, recorder=False, **workload)
+    assert off_stats is not None
+    assert cold_stats.preemptions == warm_stats.preemptions == 0
+    assert [r.output_token_ids for r in warm.values()] == [r.output_token_ids for r in cold.values()]
+    assert off_stats.hit_tokens > 0
+    assert cold_stats.prefill_tokens - warm_stats.prefill_tokens == off_stats.hit_tokens == warm_stats.cached_tokens
+    assert cold_stats.decode_tokens == warm_stats.decode_tokens
+    assert cold_stats.forward_tokens - warm_stats.forward_tokens == off_stats.hit_tokens
+
+
+@pytest.mark.asyncio
+async def test_preempted_request_resumes_through_lookup_and_load(tiny_model: Transformer) -> None:
+    """Two requests growing to 5 blocks each on an 8-block pool: the newer one is preempted when the older
+    needs a block, and resumes after it by restoring its stored blocks instead of recomputing them."""
+    prompts = [[(i * 37 + j * 11) % 256 for j in range(40)] for i in range(2)]
+
+    async def run(off: Any, cache: PagedKVCache) -> list[Any]:
+        async with Engine(tiny_model, cache, offloader=off) as engine:
+            out = await asyncio.gather(*(engine.generate(p, max_tokens=40, return_logits=True) for p in prompts))
+            await engine.wait_idle()
+            assert engine.stats().preemptions >= 1
+            return out
+
+    cold = await run(None, PagedKVCache(TINY, 8))
+    cache = PagedKVCache(TINY, 8)
+    async with _offloader(cache) as off:
+        warm = await run(off, cache)
+    assert [r.output_token_ids for r in warm] == [r.output_token_ids for r in cold]
+    resumed = warm[1]
+    assert resumed.num_preemptions >= 1
+    assert resumed.cached_tokens >= 16
+    assert resumed.computed_prefill_tokens < cold[1].computed_prefill_tokens
+
+
+class _Gate:
+    """Offloader stand-in that delays ``finish``/``preempt``/``abort`` until released: a slow drain."""
+
+    def __init__(self, off: aiokv.Offloader) -> None:
+        self._off = off
+        self.layout = off.layout
+        self.open_gate = asyncio.Event()
+        self.pending = 0
+
+    def open(self, *args: Any, **kwargs: Any) -> _GatedHandle:
+        return _GatedHandle(self, self._off.open(*args, **kwargs))
+
+
+class _GatedHandle:
+    def __init__(self, gate: _Gate, handle: aiokv.RequestHandle) -> None:
+        self._gate = gate
+        self._h = handle
+
+    def lookup(self) -> Any:
+        return self._h.lookup()
+
+    def load(self, block_ids: Sequence[int]) -> Any:
+        return self._h.load(block_ids)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self._h.step(*args, **kwargs)
+
+    async def _end(self, op: Any) -> None:
+        self._gate.pending += 1
+        await self._gate.open_gate.wait()
+        await op()
+        self._gate.pending -= 1
+
+    async def finish(self) -> None:
+        await self._end(self._h.finish)
+
+    async def preempt(self) -> None:
+        await self._end(self._h.preempt)
+
+    async def abort(self) -> None:
+        await self._end(self._h.abort)
+
+
+@pytest.mark.asyncio
+async def test_blocks_return_to_the_pool_only_when_finish_resolves(tiny_model: Transformer) -> None:
+    cache = PagedKVCache(TINY, 16)
+    async with _offloader(cache) as off:
+        gate = _Gate(off)
+        async with Engine(tiny_model, cache, offloader=gate) as engine:  # type: ignore[arg-type]
+            result = await engine.generate(list(range(50)), max_tokens=8)
+            held = -(-(50 + 8) // 16)
+            stats = engine.stats()
+            assert stats.releasing_blocks == held
+            assert stats.free_blocks == 16 - held
+            assert gate.pending == 1
+            # Other requests keep running on the remaining blocks meanwhile.
+            other = await engine.generate(list(range(30)), max_tokens=4)
+            assert len(other.output_token_ids) == 4
+            gate.open_gate.set()
+            await engine.wait_idle()
+            assert engine.stats().free_blocks == 16
+            assert len(result.output_token_ids) == 8
+
+
+@pytest.mark.asyncio
+async def test_engine_decodes_like_the_dense_reference(tiny_model: Transformer) -> None:
+    prompt = [(j * 13 + 5) % 256 for j in range(37)]
+    ctx = list(prompt)
+    for _ in range(12):
+        ctx.append(int(tiny_model.forward_dense(ctx)[-1].argmax()))
+    async with Engine(tiny_model, PagedKVCache(TINY, 8)) as engine:
+        result = await engine.generate(prompt, max_tokens=12)
+    assert list(result.output_token_ids) == ctx[len(prompt) :]
+    assert result.finish_reason == "length"
+    assert 0 < result.ttft_s <= result.latency_s
+
+
+@pytest.mark.asyncio
+async def test_stream_yields_the_tokens_generate_returns(tiny_model: Transformer) -> None:
+    prompt = list(range(20, 60))
+    async with Engine(tiny_model, PagedKVCache(TINY, 16)) as engine:
+        expected = await engine.generate(prompt, max_tokens=10)
+        async with engine.stream(prompt, max_tokens=10) as tokens:
+            got = [t async for t in tokens]
+        assert tuple(got) == expected.output_token_ids
+        assert tokens.result.output_token_ids == expected.output_token_ids
+
+
+@pytest.mark.asyncio
+async def test_eos_stops_generation(tiny_model: Transformer) -> None:
+    prompt = list(range(100, 130))
+    async with Engine(tiny_model, PagedKVCache(TINY, 16)) as engine:
+        full = await engine.generate(prompt, max_tokens=10)
+        eos = full.output_token_ids[3]
+        stopped = await engine.generate(prompt, max_tokens=10, eos_token_id=eos)
+    cut = full.output_token_ids.index(eos) + 1
+    assert stopped.output_token_ids == full.output_token_ids[:cut]
+    assert stopped.finish_reason == "stop"
+
+
+@pytest.mark.asyncio
+async def test_seeded_sampling_does_not_depend_on_batching(tiny_model: Transformer) -> None:
+    prompt = list(range(40))
+    async with Engine(tiny_model, PagedKVCache(TINY, 32)) as engine:
+        alone = await engine.generate(prompt, max_tokens=12, temperature=1.0, seed=5)
+        batched = await asyncio.gather(
+            engine.generate(prompt, max_tokens=12, temperature=1.0, seed=5),
+            *(engine.generate(list(range(i, i + 30)), max_tokens=8, temperature=1.0, seed=i) for i in range(3)),
+        )
+        other_seed = await engine.generate(prompt, max_tokens=12, temperature=1.0, seed=6)
+    assert batched[0].output_token_ids == alone.output_token_ids
+    assert other_seed.output_token_ids != alone.output_token_ids
+
+
+@pytest.mark.asyncio
+async def test_leaving_a_stream_early_aborts_and_frees_the_blocks(tiny_model: Transformer) -> None:
+    cache = PagedKVCache(TINY, 16)
+    async with _offloader(cache) as off, Engine(tiny_model, cache, offloader=off) as engine:
+        async with engine.stream(list(range(50)), max_tokens=100) as tokens:
+            async for _ in tokens:
+                break
+        await engine.wait_idle()
+        stats = engine.stats()
+        assert stats.aborted == 1
+        assert stats.free_blocks == 16
+        assert off.stats().requests_open == 0
+
+
+@pytest.mark.asyncio
+async def test_cancelling_generate_aborts_the_request(tiny_model: Transformer) -> None:
+    cache = PagedKVCache(TINY, 16)
+    async with _offloader(cache) as off, Engine(tiny_model, cache, offloader=off) as engine:
+        task = asyncio.create_task(engine.generate(list(range(50)), max_tokens=100))
+        await asyncio.sleep(0)  # let it submit
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await engine.wait_idle()
+        assert engine.stats().aborted == 1
+        assert engine.stats().free_blocks == 16
+        # The engine keeps serving.
+        assert len((await engine.generate(list(range(10)), max_tokens=3)).output_token_ids) == 3
+
+
+@pytest.mark.asyncio
+async def test_aclose_fails_in_flight_requests_and_is_idempotent(tiny_model: Transformer) -> None:
+    cache = PagedKVCache(TINY, 16)
+    async with _offloader(cache) as off:
+        engine = Engine(tiny_model, cache, offloader=off)
+        await engine.start()
+        tasks = [asyncio.create_task(engine.generate(list(range(i, i + 40)), max_tokens=200)) for i in range(2)]
+        await asyncio.sleep(0)
+        await engine.aclose()
+        await engine.aclose()
+        for t in tasks:
+            with pytest.raises(aiokv.ClosedError, match="engine closed"):
+                await t
+        with pytest.raises(aiokv.ClosedError, match="engine is closed"):
+            await engine.generate([1, 2, 3])
+        assert off.stats().requests_open == 0
+
+
+@pytest.mark.asyncio
+async def test_generate_rejects_what_cannot_fit(tiny_model: Transformer) -> None:
+    async with Engine(tiny_model, PagedKVCache(TINY, 4)) as engine:
+        with pytest.raises(aiokv.InvalidArgumentError, match="must fit in the cache's 4 blocks of 16 tokens, got 70"):
+            await engine.generate(list(range(60)), max_tokens=10)
+        with pytest.raises(aiokv.InvalidArgumentError, match="max_tokens must be > 0, got 0"):
+            await engine.generate([1], max_tokens=0)
+        with pytest.raises(aiokv.InvalidArgumentError, match=r"prompt_token_ids must be in \[0, 256\)"):
+            await engine.generate([256])
