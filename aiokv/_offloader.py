@@ -148,6 +148,11 @@ class Offloader:
             self._state = "closed"
             self.cpu.release()
 
+    async def flush(self) -> None:
+        """Wait until every block committed so far has been written through to the lower tiers (or dropped)."""
+        for w in self._writers:
+            await w.wait_idle()
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -391,6 +396,8 @@ class _WriteThrough:
         self._slot_bytes = off.layout.slot_bytes
         self._queue: deque[bytes] = deque()
         self._wake: asyncio.Event = asyncio.Event()
+        self._idle: asyncio.Event = asyncio.Event()
+        self._idle.set()
         self._closing = False
         self.in_flight_bytes = 0
         self.written = 0
@@ -411,6 +418,8 @@ class _WriteThrough:
             index.pin(key)  # the slot must not be evicted or reused while the tier reads it
             self._queue.append(key)
             self.in_flight_bytes += self._slot_bytes
+        if self._queue:
+            self._idle.clear()
         self._wake.set()
 
     async def _run(self) -> None:
@@ -419,6 +428,7 @@ class _WriteThrough:
         queue = self._queue
         while True:
             if not queue:
+                self._idle.set()
                 if self._closing:
                     return
                 self._wake.clear()
@@ -431,6 +441,7 @@ class _WriteThrough:
             except asyncio.CancelledError:
                 index.unpin(batch)
                 self.in_flight_bytes -= len(batch) * self._slot_bytes
+                self.dropped += len(batch)
                 raise
             except Exception:
                 n = 0
@@ -439,6 +450,10 @@ class _WriteThrough:
             self.in_flight_bytes -= len(batch) * self._slot_bytes
             self.written += max(0, n)
             self.dropped += len(batch) - max(0, n)
+
+    async def wait_idle(self) -> None:
+        if not self._task.done():
+            await self._idle.wait()
 
     async def aclose(self, timeout: float) -> None:
         self._closing = True
@@ -455,3 +470,4 @@ class _WriteThrough:
             self.in_flight_bytes -= len(self._queue) * self._slot_bytes
             self.dropped += len(self._queue)
             self._queue.clear()
+        self._idle.set()

@@ -199,35 +199,39 @@ class Request:
             raise InvalidTypeError(f"num_computed_tokens must be an int, got {type(num_computed_tokens).__name__}")
         off = self._off
         blocks = self._blocks
-        if new_block_ids:
+        # Validate everything before changing anything: a rejected step leaves the request as it was.
+        ids: list[int] = []
+        if len(new_block_ids):
             ids = off.layout.check_block_ids(new_block_ids, "new_block_ids")
-            if not blocks:
-                blocks.extend(ids)
-            else:
+            if blocks:
                 held = set(blocks)
                 for b in ids:
                     if b in held:
                         raise InvalidArgumentError(f"new_block_ids must not repeat a block the request holds, got {b}")
-                blocks.extend(ids)
-        if new_token_ids:
+        toks: list[int] = []
+        if len(new_token_ids):
             try:
-                self.token_ids.extend(int(t) for t in new_token_ids)
-            except TypeError:
+                toks = [int(t) for t in new_token_ids]
+            except (TypeError, ValueError):
                 raise InvalidTypeError("new_token_ids must be a sequence of ints") from None
         n = num_computed_tokens
         if n < self.num_computed_tokens:
             raise InvalidArgumentError(
                 f"num_computed_tokens must not decrease, got {n} after {self.num_computed_tokens}"
             )
-        if n > len(self.token_ids):
-            raise InvalidArgumentError(
-                f"num_computed_tokens must be <= known tokens ({len(self.token_ids)}), got {n}"
-            )
+        known = len(self.token_ids) + len(toks)
+        if n > known:
+            raise InvalidArgumentError(f"num_computed_tokens must be <= known tokens ({known}), got {n}")
         bs = off.block_size
-        if n > len(blocks) * bs:
+        nblocks = len(blocks) + len(ids)
+        if n > nblocks * bs:
             raise InvalidArgumentError(
-                f"num_computed_tokens must fit in the request's {len(blocks)} blocks of {bs} tokens, got {n}"
+                f"num_computed_tokens must fit in the request's {nblocks} blocks of {bs} tokens, got {n}"
             )
+        if ids:
+            blocks.extend(ids)
+        if toks:
+            self.token_ids.extend(toks)
         self.num_computed_tokens = n
         if state is not RequestState.LOADING:
             self.state = RequestState.RUNNING

@@ -30,37 +30,50 @@ def _seconds(s: float) -> str:
     return f"{s:.2f} s"
 
 
-def _capacities(r: ReplayResult) -> str:
-    return ", ".join(f"{t.name}={format_size(t.capacity_bytes)}" for t in r.tiers)
+def _capacities(r: ReplayResult, names: Sequence[str] | None = None) -> str:
+    return ", ".join(f"{t.name}={format_size(t.capacity_bytes)}" for t in r.tiers if names is None or t.name in names)
 
 
 def results_table(results: Sequence[ReplayResult], *, title: str | None = None) -> Any:
-    """One row per run: capacities, policy, hit ratios (total and per tier), bytes moved, TTFT saving."""
+    """One row per run: policy, the capacities that differ between runs, hit ratios (total and per tier),
+    bytes loaded, written (stored + staged) and evicted over all tiers, and the TTFT saving."""
     from rich.table import Table
 
     tier_names = list(dict.fromkeys(t.name for r in results for t in r.tiers))
+    varying = [
+        name
+        for name in tier_names
+        if len({t.capacity_bytes for r in results for t in r.tiers if t.name == name}) > 1
+    ]
+    fixed = [name for name in tier_names if name not in varying]
+    if title is None and results and fixed:
+        title = "capacity " + _capacities(results[0], fixed)
     table = Table(title=title, caption=TTFT_FORMULA, caption_justify="left")
-    table.add_column("policy")
-    table.add_column("capacity")
+    table.add_column("policy", no_wrap=True)
+    for name in varying:
+        table.add_column(name, justify="right", no_wrap=True)
     table.add_column("block hits", justify="right")
     table.add_column("token hits", justify="right")
-    for name in tier_names:
-        table.add_column(f"{name} hits", justify="right")
-    table.add_column("loaded", justify="right")
-    table.add_column("stored", justify="right")
-    table.add_column("evicted", justify="right")
-    table.add_column("TTFT saved", justify="right")
+    if len(tier_names) > 1:
+        for name in tier_names:
+            table.add_column(f"{name} hits", justify="right")
+    for col in ("loaded", "written", "evicted", "TTFT saved", "saved"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r in results:
         per_tier = {t.name: t for t in r.tiers}
-        cells = [r.policy, _capacities(r), _pct(r.block_hit_ratio), _pct(r.token_hit_ratio)]
-        for name in tier_names:
-            t = per_tier.get(name)
-            cells.append("-" if t is None else _pct(t.hit_blocks / r.block_refs if r.block_refs else 0.0))
+        cells = [r.policy]
+        cells += [format_size(per_tier[name].capacity_bytes) if name in per_tier else "-" for name in varying]
+        cells += [_pct(r.block_hit_ratio), _pct(r.token_hit_ratio)]
+        if len(tier_names) > 1:
+            for name in tier_names:
+                t = per_tier.get(name)
+                cells.append("-" if t is None else _pct(t.hit_blocks / r.block_refs if r.block_refs else 0.0))
         cells += [
             format_size(sum(t.loaded_bytes for t in r.tiers)),
             format_size(sum(t.stored_bytes + t.staged_bytes for t in r.tiers)),
             format_size(sum(t.evicted_bytes for t in r.tiers)),
-            f"{_seconds(r.ttft_saved_s)} ({_pct(r.ttft_saved_ratio)})",
+            _seconds(r.ttft_saved_s),
+            _pct(r.ttft_saved_ratio),
         ]
         table.add_row(*cells)
     return table

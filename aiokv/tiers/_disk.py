@@ -71,6 +71,7 @@ _SEGMENT_SUFFIX = ".akv"
 _META_FORMAT = "aiokv-disk"
 _IOV_MAX = max(3, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
 _MAX_IO_BYTES = 1 << 28  # one pwritev/preadv call moves at most this much
+_SPLIT_BYTES = 4 << 20  # a batch is spread over the I/O threads in parts of at least this much
 _ZERO_HEADER = bytes(HEADER_SIZE)
 
 T = TypeVar("T")
@@ -592,6 +593,23 @@ class DiskTier(BackingTier):
         fut.add_done_callback(self._inflight.discard)
         return fut
 
+    def _split(self, n: int, payload_bytes: int) -> list[tuple[int, int]]:
+        """Cut ``n`` entries into up to ``io_threads`` contiguous parts of at least ``_SPLIT_BYTES`` each."""
+        parts = max(1, min(self._io_threads, n, n * payload_bytes // _SPLIT_BYTES))
+        bounds = [n * k // parts for k in range(parts + 1)]
+        return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+    async def _run_all(
+        self, calls: list[tuple[Callable[..., T], tuple[Any, ...]]]
+    ) -> tuple[list[asyncio.Future[T]], bool]:
+        """Run jobs on the I/O threads in parallel; wait for all of them even when cancelled."""
+        futs = [self._submit(fn, *args) for fn, args in calls]
+        cancelled = False
+        for fut in futs:
+            _, was_cancelled = await _wait_thread(fut)
+            cancelled = cancelled or was_cancelled
+        return futs, cancelled
+
     def _io_failed(self, exc: OSError) -> None:
         self._health = TierHealth.DEGRADED
         self._last_error = f"{type(exc).__name__}: {exc}"
@@ -613,23 +631,35 @@ class DiskTier(BackingTier):
         if not slots:
             self._c["read_misses"] += 1
             return 0
+        parts = self._split(len(slots), geo.payload_bytes)
         try:
-            fut, cancelled = await _wait_thread(self._submit(files.read, slots, pinned, outs))
+            futs, cancelled = await self._run_all(
+                [(files.read, (slots[a:b], pinned[a:b], outs[a:b])) for a, b in parts]
+            )
         finally:
             index.unpin(pinned)
-        done, verdict, err = fut.result()
-        if done < len(keys):
-            self._c["read_misses"] += 1
-        if verdict is not None:
-            bad = pinned[done]
+        done = 0
+        complete = True
+        failed = False
+        for (a, b), fut in zip(parts, futs, strict=True):
+            n_ok, verdict, err = fut.result()
+            if complete:
+                done += n_ok
+                complete = n_ok == b - a
+            if verdict is None:
+                continue
+            failed = failed or err is not None
             if err is not None:
                 self._c["read_errors"] += 1
                 self._io_failed(err)
             else:
                 self._c["corrupt"] += 1
+            bad = pinned[a + n_ok]
             if index.pins(bad) == 0:
                 index.discard(bad)
-        elif done:
+        if done < len(keys):
+            self._c["read_misses"] += 1
+        if done and not failed:
             self._health = TierHealth.UP
         self._c["read_blocks"] += done
         self._c["read_bytes"] += done * geo.payload_bytes
@@ -663,9 +693,17 @@ class DiskTier(BackingTier):
         self._c["skipped_existing"] += skipped
         if not slots:
             return skipped
+        parts = self._split(len(slots), geo.payload_bytes)
         try:
-            fut, cancelled = await _wait_thread(self._submit(files.write, slots, wkeys, wpayloads, seqs))
-            ok, err = fut.result()
+            futs, cancelled = await self._run_all(
+                [(files.write, (slots[a:b], wkeys[a:b], wpayloads[a:b], seqs[a:b])) for a, b in parts]
+            )
+            ok: list[bool] = []
+            err: OSError | None = None
+            for fut in futs:
+                part_ok, part_err = fut.result()
+                ok += part_ok
+                err = err or part_err
         except BaseException:
             for key in wkeys:
                 index.discard(key)
