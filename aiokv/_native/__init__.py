@@ -1,0 +1,1 @@
+"""Optional native helpers (the batched memcpy kernel)."""

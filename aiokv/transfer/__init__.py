@@ -1,0 +1,1 @@
+"""Transfer executor: ordered copy streams (CPU worker threads, CUDA streams) and TransferFuture."""
