@@ -54,15 +54,18 @@ def block_hashes(
     *,
     salt: object = None,
     extra_keys: Sequence[object] = (),
-    root: bytes = NONE_ROOT,
+    root: bytes | None = None,
     parent: bytes | None = None,
 ) -> list[bytes]:
     """Return the chained hash of every *full* block of ``token_ids``.
 
     ``hashes[i]`` identifies the prefix ``token_ids[: (i + 1) * block_size]`` together with ``salt``,
     ``extra_keys`` and ``root``. A trailing partial block gets no hash. ``parent`` continues an existing chain
-    (the hash of the block just before ``token_ids``), which lets callers hash incrementally.
+    (the hash of the block just before ``token_ids``), which lets callers hash incrementally. ``root``
+    defaults to :data:`NONE_ROOT`; an offloader uses its layout's root (``KVLayout.root``).
     """
+    if root is None:
+        root = NONE_ROOT
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
     if not isinstance(root, (bytes, bytearray)) or len(root) != 32:
@@ -94,8 +97,10 @@ def block_hashes(
     return out
 
 
-def chain_seed(*, salt: object = None, extra_keys: Sequence[object] = (), root: bytes = NONE_ROOT) -> bytes:
+def chain_seed(*, salt: object = None, extra_keys: Sequence[object] = (), root: bytes | None = None) -> bytes:
     """The value chained into a sequence's first block: root, salt and extra keys."""
+    if root is None:
+        root = NONE_ROOT
     return hashlib.sha256(_DOMAIN + bytes(root) + _canon(salt) + _canon(tuple(extra_keys))).digest()
 
 
