@@ -41,7 +41,7 @@ class CudaCopyStream:
 
     def __init__(self, device: torch.device, name: str) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self._name = name
         self._cv = threading.Condition()
         self._queue: list[tuple[torch.cuda.Event, Callable[[BaseException | None], None]]] = []
@@ -62,7 +62,7 @@ class CudaCopyStream:
                 # Stores read blocks the engine just wrote: order them after its queued kernels.
                 self.stream.wait_stream(compute)
             work(self.stream)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         with self._cv:
             self._queue.append((event, on_done))
@@ -148,14 +148,14 @@ class CudaTransferBackend:
             staging = torch.empty((n, slot_bytes), dtype=torch.uint8, device=self._device)
             if store:
                 for u8, off, width, rest in self._views:
-                    staging[:, off : off + width].unflatten(1, rest).copy_(u8.index_select(0, idx))
+                    staging[:, off : off + width].unflatten(1, rest).copy_(u8.index_select(0, idx))  # type: ignore[no-untyped-call]
                 for i, s, k in runs:
                     self._host2d[s : s + k].copy_(staging[i : i + k], non_blocking=True)
             else:
                 for i, s, k in runs:
                     staging[i : i + k].copy_(self._host2d[s : s + k], non_blocking=True)
                 for u8, off, width, rest in self._views:
-                    u8.index_copy_(0, idx, staging[:, off : off + width].unflatten(1, rest))
+                    u8.index_copy_(0, idx, staging[:, off : off + width].unflatten(1, rest))  # type: ignore[no-untyped-call]
             staging.record_stream(stream)
             idx.record_stream(stream)
 

@@ -108,4 +108,6 @@ def partial_block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """Key of a partially filled block (``0 < len(token_ids)``) following ``parent`` (the previous block's
     hash, or :func:`chain_seed` for a sequence's first block). Disjoint from full-block hashes."""
     packed = struct.pack(f"<{len(token_ids)}q", *token_ids)
-    return hashlib.sha256(b"aiokv/partial/v1" + bytes(parent) + struct.pack("<I", len(token_ids)) + packed).digest()
+    return hashlib.sha256(
+        b"aiokv/partial/v1" + bytes(parent) + struct.pack("<I", len(token_ids)) + packed
+    ).digest()

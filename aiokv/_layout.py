@@ -95,7 +95,9 @@ class KVLayout:
         fp.update(f"block_size={block_size};block_dim={block_dim};n={len(flat)};".encode())
         for i, t in enumerate(flat):
             if t.device != device:
-                raise InvalidLayoutError(f"tensors must share one device: tensors[{i}] is on {t.device}, tensors[0] on {device}")
+                raise InvalidLayoutError(
+                    f"tensors must share one device: tensors[{i}] is on {t.device}, tensors[0] on {device}"
+                )
             if t.dim() <= block_dim:
                 raise InvalidLayoutError(
                     f"tensors[{i}] has {t.dim()} dims; block_dim={block_dim} needs at least {block_dim + 1}"

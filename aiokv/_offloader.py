@@ -60,14 +60,24 @@ class Offloader:
         if not isinstance(layout, KVLayout):
             raise InvalidTypeError(f"layout must be an aiokv.KVLayout, got {type(layout).__name__}")
         if tiers is None or len(tiers) == 0:
-            raise InvalidArgumentError("tiers must contain at least one tier, e.g. [aiokv.CPUTier(capacity_bytes=8 << 30)]")
+            raise InvalidArgumentError(
+                "tiers must contain at least one tier, e.g. [aiokv.CPUTier(capacity_bytes=8 << 30)]"
+            )
         if not isinstance(tiers[0], CPUTier):
             raise InvalidArgumentError(f"tiers[0] must be a CPUTier, got {type(tiers[0]).__name__}")
         for i, t in enumerate(tiers[1:], start=1):
             if not isinstance(t, BackingTier):
-                raise InvalidTypeError(f"tiers[{i}] must be a BackingTier (e.g. DiskTier, RedisTier), got {type(t).__name__}")
-        if isinstance(write_through_max_bytes, bool) or not isinstance(write_through_max_bytes, int) or write_through_max_bytes < 0:
-            raise InvalidArgumentError(f"write_through_max_bytes must be an int >= 0, got {write_through_max_bytes!r}")
+                raise InvalidTypeError(
+                    f"tiers[{i}] must be a BackingTier (e.g. DiskTier, RedisTier), got {type(t).__name__}"
+                )
+        if (
+            isinstance(write_through_max_bytes, bool)
+            or not isinstance(write_through_max_bytes, int)
+            or write_through_max_bytes < 0
+        ):
+            raise InvalidArgumentError(
+                f"write_through_max_bytes must be an int >= 0, got {write_through_max_bytes!r}"
+            )
         if close_timeout < 0:
             raise InvalidArgumentError(f"close_timeout must be >= 0, got {close_timeout!r}")
         self.layout = layout
@@ -240,7 +250,9 @@ class Offloader:
             return None
         return self._submit_store(keys, slots, ids)
 
-    def _store_one(self, key: bytes, parent: bytes | None, depth: int, block_id: int) -> TransferFuture | None:
+    def _store_one(
+        self, key: bytes, parent: bytes | None, depth: int, block_id: int
+    ) -> TransferFuture | None:
         slot = self._index.reserve(key, parent, depth)
         if slot is None:
             if self._index.state(key) is not None:

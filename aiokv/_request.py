@@ -194,9 +194,13 @@ class Request:
         """
         state = self.state
         if state in _ENDED or self._abort_requested:
-            raise RequestStateError(f"step() after the request ended: request {self.request_id!r} is {state.value}")
+            raise RequestStateError(
+                f"step() after the request ended: request {self.request_id!r} is {state.value}"
+            )
         if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int):
-            raise InvalidTypeError(f"num_computed_tokens must be an int, got {type(num_computed_tokens).__name__}")
+            raise InvalidTypeError(
+                f"num_computed_tokens must be an int, got {type(num_computed_tokens).__name__}"
+            )
         off = self._off
         blocks = self._blocks
         # Validate everything before changing anything: a rejected step leaves the request as it was.
@@ -207,7 +211,9 @@ class Request:
                 held = set(blocks)
                 for b in ids:
                     if b in held:
-                        raise InvalidArgumentError(f"new_block_ids must not repeat a block the request holds, got {b}")
+                        raise InvalidArgumentError(
+                            f"new_block_ids must not repeat a block the request holds, got {b}"
+                        )
         toks: list[int] = []
         if len(new_token_ids):
             try:

@@ -28,14 +28,25 @@ class Counters:
         "store_errors",
         "stores_deduplicated",
         "stores_dropped",
-        "write_through_blocks",
-        "write_through_dropped",
-        "write_through_errors",
     )
 
     def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
+        self.blocks_loaded = 0
+        self.blocks_stored = 0
+        self.bytes_loaded = 0
+        self.bytes_stored = 0
+        self.hit_tokens = 0
+        self.hits = 0
+        self.load_errors = 0
+        self.lookups = 0
+        self.misses = 0
+        self.requests_finished = 0
+        self.requests_opened = 0
+        self.staged_blocks = 0
+        self.staging_misses = 0
+        self.store_errors = 0
+        self.stores_deduplicated = 0
+        self.stores_dropped = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,9 @@ def _synthetic_kwargs(spec: str) -> dict[str, Any]:
                     f"synthetic trace option must be one of {sorted(ints | floats)}, got {name!r}"
                 )
         except ValueError:
-            raise InvalidArgumentError(f"synthetic trace option {name} must be a number, got {value!r}") from None
+            raise InvalidArgumentError(
+                f"synthetic trace option {name} must be a number, got {value!r}"
+            ) from None
     return kwargs
 
 
@@ -67,7 +69,9 @@ def _add_replay(sub: Any) -> None:
         ),
     )
     p.add_argument("trace", metavar="TRACE")
-    p.add_argument("--tiers", default="cpu=64GiB", help="tiers fastest first, NAME=SIZE,... (default: %(default)s)")
+    p.add_argument(
+        "--tiers", default="cpu=64GiB", help="tiers fastest first, NAME=SIZE,... (default: %(default)s)"
+    )
     p.add_argument("--policy", default="lru", help="eviction policy, or a comma-separated list to compare")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per block (default: %(default)s)")
     p.add_argument(
@@ -76,9 +80,15 @@ def _add_replay(sub: Any) -> None:
         default=None,
         help="model preset for KV bytes per token and prefill speed (default: llama3-8b)",
     )
-    p.add_argument("--kv-bytes-per-token", type=int, default=None, help="override the model's KV bytes per token")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="override the model's prefill speed")
-    p.add_argument("--bandwidth", default=None, help="tier read bandwidths, NAME=25GB/s,... (defaults by name)")
+    p.add_argument(
+        "--kv-bytes-per-token", type=int, default=None, help="override the model's KV bytes per token"
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s", type=float, default=None, help="override the model's prefill speed"
+    )
+    p.add_argument(
+        "--bandwidth", default=None, help="tier read bandwidths, NAME=25GB/s,... (defaults by name)"
+    )
     p.add_argument(
         "--inflight",
         type=int,
@@ -93,7 +103,9 @@ def _add_replay(sub: Any) -> None:
     )
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--plot", default=None, metavar="PNG", help="save hit ratio vs capacity per policy (matplotlib)")
+    p.add_argument(
+        "--plot", default=None, metavar="PNG", help="save hit ratio vs capacity per policy (matplotlib)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run_replay)
 
@@ -134,7 +146,9 @@ def _run_replay(args: argparse.Namespace) -> int:
     except ImportError:
         have_rich = False
     if not have_rich and not args.json:
-        raise InvalidArgumentError("aiokv replay needs rich for its tables; pip install 'aiokv[cli]' or pass --json")
+        raise InvalidArgumentError(
+            "aiokv replay needs rich for its tables; pip install 'aiokv[cli]' or pass --json"
+        )
     if args.plot:
         require_matplotlib()
 

@@ -67,7 +67,9 @@ def parse_size(text: str, *, what: str = "size") -> int | None:
     m = _SIZE_RE.match(text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
-        raise InvalidArgumentError(f"{what} must be a number of bytes with an optional unit such as 64GiB, got {text!r}")
+        raise InvalidArgumentError(
+            f"{what} must be a number of bytes with an optional unit such as 64GiB, got {text!r}"
+        )
     value = float(m.group(1)) * _UNITS[unit]
     if not math.isfinite(value) or value < 1:
         raise InvalidArgumentError(f"{what} must be at least 1 byte, got {text!r}")

@@ -31,7 +31,9 @@ def _seconds(s: float) -> str:
 
 
 def _capacities(r: ReplayResult, names: Sequence[str] | None = None) -> str:
-    return ", ".join(f"{t.name}={format_size(t.capacity_bytes)}" for t in r.tiers if names is None or t.name in names)
+    return ", ".join(
+        f"{t.name}={format_size(t.capacity_bytes)}" for t in r.tiers if names is None or t.name in names
+    )
 
 
 def results_table(results: Sequence[ReplayResult], *, title: str | None = None) -> Any:
@@ -84,7 +86,18 @@ def tier_table(result: ReplayResult) -> Any:
     from rich.table import Table
 
     table = Table(title=f"{result.policy}: per tier")
-    for col in ("tier", "capacity", "blocks", "hits", "hit tokens", "loaded", "load time", "stored", "staged", "evicted"):
+    for col in (
+        "tier",
+        "capacity",
+        "blocks",
+        "hits",
+        "hit tokens",
+        "loaded",
+        "load time",
+        "stored",
+        "staged",
+        "evicted",
+    ):
         table.add_column(col, justify="left" if col == "tier" else "right")
     for t in result.tiers:
         table.add_row(
@@ -110,7 +123,9 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise PlotUnavailableError("--plot needs matplotlib; install it with: pip install 'aiokv[plot]'") from None
+        raise PlotUnavailableError(
+            "--plot needs matplotlib; install it with: pip install 'aiokv[plot]'"
+        ) from None
 
 
 def save_plot(

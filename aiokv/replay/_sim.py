@@ -20,6 +20,7 @@ slower tier only (and be staged up again on its next hit).
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections import deque
@@ -51,7 +52,9 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
-            raise InvalidArgumentError(f"capacity of tier {self.name!r} must be > 0, got {self.capacity_bytes}")
+            raise InvalidArgumentError(
+                f"capacity of tier {self.name!r} must be > 0, got {self.capacity_bytes}"
+            )
         if self.bandwidth is not None and not self.bandwidth > 0:
             raise InvalidArgumentError(f"bandwidth of tier {self.name!r} must be > 0, got {self.bandwidth}")
 
@@ -179,50 +182,11 @@ def _check_policy(name: str) -> None:
         raise InvalidArgumentError(f"policy must be one of {policy_names()}, got {name!r}")
 
 
-def replay(
-    trace: Trace,
-    tiers: Sequence[TierConfig],
-    *,
-    policy: str = "lru",
-    kv_bytes_per_token: int,
-    cost: CostModel,
-    inflight: int = 0,
-    progress: ProgressFn | None = None,
-) -> ReplayResult:
-    """Replay ``trace`` through one :class:`BlockIndex` per tier (see the module docstring for the rules).
-
-    ``inflight`` models concurrent prefills: a request's recomputed blocks are stored only after the next
-    ``inflight`` requests have looked up (0: before the next request).
-    """
-    if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 0:
-        raise InvalidArgumentError(f"inflight must be an int >= 0, got {inflight!r}")
-    if not tiers:
-        raise InvalidArgumentError("tiers must name at least one tier")
-    names = [t.name for t in tiers]
-    if len(set(names)) != len(names):
-        raise InvalidArgumentError(f"tier names must be unique, got {names}")
-    if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token <= 0:
-        raise InvalidArgumentError(f"kv_bytes_per_token must be a positive int, got {kv_bytes_per_token!r}")
-    bt = trace.block_tokens
-    block_bytes = bt * kv_bytes_per_token
-    policies = [t.policy or policy for t in tiers]
-    for name in policies:
-        _check_policy(name)
-    bandwidths = [t.resolved_bandwidth() for t in tiers]
-    indexes: list[BlockIndex] = []
-    for cfg, pol in zip(tiers, policies, strict=True):
-        if cfg.capacity_bytes is None:
-            slots = max(trace.unique_blocks, 1)
-        else:
-            slots = min(cfg.capacity_bytes // block_bytes, max(trace.unique_blocks, 1))
-            if slots < 1:
-                raise CapacityError(
-                    f"capacity of tier {cfg.name!r} must hold at least one block of {block_bytes} bytes "
-                    f"({bt} tokens * {kv_bytes_per_token} bytes), got {cfg.capacity_bytes}"
-                )
-        indexes.append(BlockIndex(slots, make_policy(pol, slots)))
-
+def _run(
+    trace: Trace, indexes: Sequence[BlockIndex], inflight: int, progress: ProgressFn | None
+) -> tuple[list[int], list[int], list[int], list[int], int]:
     m = len(indexes)
+    bt = trace.block_tokens
     hit_blocks = [0] * m
     hit_tokens = [0] * m
     stored = [0] * m
@@ -230,7 +194,6 @@ def replay(
     total_hit_tokens = 0
     step_refs = 0
     pending: deque[tuple[tuple[bytes, ...], int]] = deque()
-    started = time.perf_counter()
     for req in trace.requests:
         keys = req.keys
         n = len(keys)
@@ -270,9 +233,68 @@ def replay(
         done_keys, done_pos = pending.popleft()
         for t in range(m):
             stored[t] += indexes[t].insert_chain(done_keys, done_pos)
-    elapsed = time.perf_counter() - started
     if progress is not None and step_refs:
         progress(step_refs)
+
+    return hit_blocks, hit_tokens, stored, staged, total_hit_tokens
+
+
+def replay(
+    trace: Trace,
+    tiers: Sequence[TierConfig],
+    *,
+    policy: str = "lru",
+    kv_bytes_per_token: int,
+    cost: CostModel,
+    inflight: int = 0,
+    progress: ProgressFn | None = None,
+) -> ReplayResult:
+    """Replay ``trace`` through one :class:`BlockIndex` per tier (see the module docstring for the rules).
+
+    ``inflight`` models concurrent prefills: a request's recomputed blocks are stored only after the next
+    ``inflight`` requests have looked up (0: before the next request).
+    """
+    if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 0:
+        raise InvalidArgumentError(f"inflight must be an int >= 0, got {inflight!r}")
+    if not tiers:
+        raise InvalidArgumentError("tiers must name at least one tier")
+    names = [t.name for t in tiers]
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"tier names must be unique, got {names}")
+    if (
+        isinstance(kv_bytes_per_token, bool)
+        or not isinstance(kv_bytes_per_token, int)
+        or kv_bytes_per_token <= 0
+    ):
+        raise InvalidArgumentError(f"kv_bytes_per_token must be a positive int, got {kv_bytes_per_token!r}")
+    bt = trace.block_tokens
+    block_bytes = bt * kv_bytes_per_token
+    policies = [t.policy or policy for t in tiers]
+    for name in policies:
+        _check_policy(name)
+    bandwidths = [t.resolved_bandwidth() for t in tiers]
+    indexes: list[BlockIndex] = []
+    for cfg, pol in zip(tiers, policies, strict=True):
+        if cfg.capacity_bytes is None:
+            slots = max(trace.unique_blocks, 1)
+        else:
+            slots = min(cfg.capacity_bytes // block_bytes, max(trace.unique_blocks, 1))
+            if slots < 1:
+                raise CapacityError(
+                    f"capacity of tier {cfg.name!r} must hold at least one block of {block_bytes} bytes "
+                    f"({bt} tokens * {kv_bytes_per_token} bytes), got {cfg.capacity_bytes}"
+                )
+        indexes.append(BlockIndex(slots, make_policy(pol, slots)))
+
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # millions of small acyclic objects (entries, policy nodes): cyclic GC passes only cost time
+    try:
+        started = time.perf_counter()
+        hit_blocks, hit_tokens, stored, staged, total_hit_tokens = _run(trace, indexes, inflight, progress)
+        elapsed = time.perf_counter() - started
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
     results = tuple(
         TierResult(

@@ -171,7 +171,9 @@ def synthetic_trace(
             raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
     for name, (lo, hi) in (("user_blocks", user_blocks), ("answer_blocks", answer_blocks)):
         if not 0 <= lo <= hi:
-            raise InvalidArgumentError(f"{name} must be a range (lo, hi) with 0 <= lo <= hi, got {(lo, hi)!r}")
+            raise InvalidArgumentError(
+                f"{name} must be a range (lo, hi) with 0 <= lo <= hi, got {(lo, hi)!r}"
+            )
     rng = random.Random(seed)
     counter = 0
 
@@ -197,7 +199,9 @@ def synthetic_trace(
                 TraceRequest(t, tuple(history), len(history) * block_tokens, out_blocks * block_tokens)
             )
             history += fresh(out_blocks)
-    return Trace.from_requests(f"synthetic(sessions={sessions},turns={turns},seed={seed})", block_tokens, requests)
+    return Trace.from_requests(
+        f"synthetic(sessions={sessions},turns={turns},seed={seed})", block_tokens, requests
+    )
 
 
 def max_prefix_reuse(requests: Sequence[TraceRequest]) -> int:

@@ -92,7 +92,7 @@ class CPUTier:
         """A writable memoryview of one slot (for lower tiers reading or staging payloads)."""
         buf = self.buffer
         start = slot * self.slot_bytes
-        return memoryview(buf[start : start + self.slot_bytes].numpy()).cast("B")
+        return buf[start : start + self.slot_bytes].numpy().data
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         start = slot * self.slot_bytes

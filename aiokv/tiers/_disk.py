@@ -70,7 +70,9 @@ _SEGMENT_PREFIX = "seg-"
 _SEGMENT_SUFFIX = ".akv"
 _META_FORMAT = "aiokv-disk"
 _IOV_MAX = max(3, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
-_MAX_IO_BYTES = 1 << 28  # one pwritev/preadv call moves at most this much
+# One pwritev/preadv call moves at most one entry or this much: the checksum of a run is computed right
+# before it is written / right after it is read, while the run is still in the CPU caches.
+_RUN_BYTES = 1 << 20
 _SPLIT_BYTES = 4 << 20  # a batch is spread over the I/O threads in parts of at least this much
 _ZERO_HEADER = bytes(HEADER_SIZE)
 
@@ -139,7 +141,7 @@ class _Geometry:
         """Split ``order`` (indices into ``slots``) into runs of consecutive slots of one segment, each small
         enough for one vectored call."""
         runs: list[list[int]] = []
-        per_call = min(_IOV_MAX // 3, max(1, _MAX_IO_BYTES // self.entry_bytes))
+        per_call = min(_IOV_MAX // 3, max(1, _RUN_BYTES // self.entry_bytes))
         run: list[int] = []
         prev = -2
         for i in order:

@@ -247,13 +247,17 @@ class ARCPolicy(EvictionPolicy):
 
 
 class _Node:
-    __slots__ = ("children", "key", "parent", "stamp")
+    __slots__ = ("children", "key", "parent", "parent_key", "stamp")
 
-    def __init__(self, key: bytes, parent: _Node | None, stamp: int) -> None:
+    def __init__(self, key: bytes, parent_key: bytes | None, parent: _Node | None, stamp: int) -> None:
         self.key = key
-        self.parent = parent
-        self.children = 0  # resident children whose ``parent`` is this node
+        self.parent_key = parent_key
+        self.parent = parent  # the resident parent's node; None for a root or an orphan
+        self.children = 0  # resident children linked to this node
         self.stamp = stamp
+
+
+_ORPHAN = 1 << 62  # subtracted from an orphan's stamp: older than every block that can still be hit
 
 
 class ChainLRUPolicy(EvictionPolicy):
@@ -262,9 +266,11 @@ class ChainLRUPolicy(EvictionPolicy):
 
     A block whose parent is gone can never be hit again (a prefix hit needs every leading block), so evicting a
     chain's head before its tail wastes the tail's slot until it ages out. Here an inner block only becomes a
-    candidate once its last resident child is evicted, and then competes with its own last access time. Inner
-    blocks are offered after all leaves, oldest first, for the rare case that every leaf is pinned. A block
-    inserted while its parent is not resident is a root of its own.
+    candidate once its last resident child is evicted, and then competes with its own last access time.
+    *Orphans*, blocks inserted while their parent is not resident (a request longer than the tier, a parent
+    evicted while the request was in flight), go first: they cannot be hit until the parent returns, which
+    relinks them on their next access. Inner blocks are offered after all leaves, oldest first, for the rare
+    case that every leaf is pinned.
 
     Leaves are kept in a heap keyed by last access with lazy deletion: O(log n) per insert, hit and eviction.
     """
@@ -290,18 +296,31 @@ class ChainLRUPolicy(EvictionPolicy):
         if key in nodes:  # a second insert is a hit
             self.touch(key)
             return
-        pnode = None if parent is None else nodes.get(parent)
-        if pnode is not None:
-            pnode.children += 1  # its heap entry, if any, is now stale
         self._clock += 1
-        node = _Node(key, pnode, self._clock)
+        stamp = self._clock
+        pnode = None
+        if parent is not None:
+            pnode = nodes.get(parent)
+            if pnode is None:
+                stamp -= _ORPHAN
+            else:
+                pnode.children += 1  # its heap entry, if any, is now stale
+        node = _Node(key, parent, pnode, stamp)
         nodes[key] = node
         self._push_leaf(node)
 
     def touch(self, key: bytes) -> None:
-        node = self._nodes.get(key)
+        nodes = self._nodes
+        node = nodes.get(key)
         if node is None:
             return
+        pkey = node.parent_key
+        if pkey is not None:
+            pnode = nodes.get(pkey)
+            if pnode is not node.parent:  # an orphan whose parent came back, or a child of a dropped parent
+                node.parent = pnode
+                if pnode is not None:
+                    pnode.children += 1
         self._clock += 1
         node.stamp = self._clock
         if node.children == 0:
@@ -317,7 +336,7 @@ class ChainLRUPolicy(EvictionPolicy):
             # A parent that was dropped while it had children is detached (no longer the node for its key).
             if pnode.children == 0 and self._nodes.get(pnode.key) is pnode:
                 self._push_leaf(pnode)
-        # Children of a dropped inner node keep pointing at the detached node and stay in the policy.
+        # Children of a dropped inner node keep pointing at the detached node until their next access.
 
     def _valid(self, entry: tuple[int, bytes]) -> bool:
         node = self._nodes.get(entry[1])
@@ -325,7 +344,12 @@ class ChainLRUPolicy(EvictionPolicy):
 
     def candidates(self) -> Iterator[bytes]:
         heap = self._heap
-        while heap and not self._valid(heap[0]):
+        nodes = self._nodes
+        while heap:  # drop stale entries from the top (inlined _valid: this runs once per eviction)
+            stamp, key = heap[0]
+            node = nodes.get(key)
+            if node is not None and node.children == 0 and node.stamp == stamp:
+                break
             heapq.heappop(heap)
         return self._iter_candidates(heap)
 

@@ -21,17 +21,21 @@ try:
 
     HAVE_NATIVE = True
 except ImportError:  # pragma: no cover - exercised only without a C compiler
-    _native_copy = None
+    _native_copy = None  # type: ignore[assignment]
     HAVE_NATIVE = False
 
 
-def _python_copy(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]) -> None:
+def _python_copy(
+    dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
+) -> None:
     memmove = ctypes.memmove
     for d, s, n in zip(dst.tolist(), src.tolist(), nbytes.tolist()):
         memmove(d, s, n)
 
 
-def copy_segments(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]) -> None:
+def copy_segments(
+    dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
+) -> None:
     """memcpy every segment ``src[i] -> dst[i]`` (``nbytes[i]`` bytes), merging adjacent runs, GIL released."""
     if _native_copy is not None:
         _native_copy(dst, src, nbytes)

@@ -99,8 +99,10 @@ class TransferExecutor:
     def _wrapped(kind: str, fn: object, a: Sequence[int], b: Sequence[int]) -> None:
         try:
             fn(a, b)  # type: ignore[operator]
+        except TransferError:
+            raise
         except BaseException as exc:
-            raise _wrap(kind, exc) from exc
+            raise TransferError(f"{kind} copy failed: {exc!r}") from exc
 
     def _on_done(self, fut: asyncio.Future[None], nbytes: int) -> None:
         self._in_flight.discard(fut)

@@ -19,7 +19,9 @@ def resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
         fut.set_exception(error)
 
 
-def call_soon_threadsafe_guarded(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args: Any) -> bool:
+def call_soon_threadsafe_guarded(
+    loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args: Any
+) -> bool:
     """The one path from worker threads back to the loop. Returns False when the loop is already closed."""
     try:
         loop.call_soon_threadsafe(callback, *args)
@@ -40,7 +42,9 @@ class TransferFuture:
 
     __slots__ = ("_fut", "event", "kind", "nbytes", "num_blocks")
 
-    def __init__(self, fut: asyncio.Future[None], kind: str, num_blocks: int, nbytes: int, event: Any = None) -> None:
+    def __init__(
+        self, fut: asyncio.Future[None], kind: str, num_blocks: int, nbytes: int, event: Any = None
+    ) -> None:
         self._fut = fut
         self.kind = kind
         self.num_blocks = num_blocks

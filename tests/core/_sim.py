@@ -30,7 +30,9 @@ def running_hashes(tokens: Sequence[int]) -> list[float]:
 class SimEngine:
     """Paged KV tensors plus a free-block pool."""
 
-    def __init__(self, num_blocks: int = 64, block_size: int = 16, num_tensors: int = 4, width: int = 4) -> None:
+    def __init__(
+        self, num_blocks: int = 64, block_size: int = 16, num_tensors: int = 4, width: int = 4
+    ) -> None:
         self.block_size = block_size
         self.tensors = [torch.full((num_blocks, block_size, width), GARBAGE) for _ in range(num_tensors)]
         self.layout = aiokv.KVLayout(self.tensors, block_size=block_size)
@@ -50,7 +52,9 @@ class SimEngine:
                 t[b].fill_(GARBAGE - i)
         self.free.extend(blocks)
 
-    def compute(self, tokens: Sequence[int], hashes: Sequence[float], blocks: Sequence[int], start: int, end: int) -> None:
+    def compute(
+        self, tokens: Sequence[int], hashes: Sequence[float], blocks: Sequence[int], start: int, end: int
+    ) -> None:
         """Write the KV of positions ``start..end-1`` into the request's blocks."""
         bs = self.block_size
         for p in range(start, end):
@@ -64,9 +68,10 @@ class SimEngine:
         for i, t in enumerate(self.tensors):
             expect = torch.tensor(hashes[index * bs : (index + 1) * bs]) + i
             got = t[block, :, 0]
-            assert torch.equal(got, expect), f"block {index} (engine block {block}) tensor {i}: {got} != {expect}"
+            assert torch.equal(got, expect), (
+                f"block {index} (engine block {block}) tensor {i}: {got} != {expect}"
+            )
             assert torch.equal(t[block], got[:, None].expand_as(t[block]))
-
 
     def check_tokens(self, hashes: Sequence[float], blocks: Sequence[int], num_tokens: int) -> None:
         """Assert the first ``num_tokens`` positions held by ``blocks`` carry the sequence's KV."""
@@ -76,6 +81,7 @@ class SimEngine:
             for i, t in enumerate(self.tensors):
                 got = t[b, p % bs]
                 assert torch.all(got == hashes[p] + i), f"position {p} (engine block {b}) tensor {i}: {got}"
+
 
 class Gate:
     """Holds the executor's worker threads before each copy until the test lets them go.
@@ -126,4 +132,3 @@ class Gate:
 
         monkeypatch.setattr(executor_cls, "_copy_store", store)  # type: ignore[attr-defined]
         monkeypatch.setattr(executor_cls, "_copy_load", load)  # type: ignore[attr-defined]
-

@@ -106,7 +106,9 @@ async def _serve(eng: SimEngine, off: Offloader, rid: str, tokens: list[int], sa
 
 
 def _off(eng: SimEngine, cpu_blocks: int, *lower: BackingTier, **kw: object) -> Offloader:
-    return Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=cpu_blocks * eng.layout.slot_bytes), *lower], **kw)  # type: ignore[arg-type]
+    return Offloader(
+        eng.layout, tiers=[CPUTier(capacity_bytes=cpu_blocks * eng.layout.slot_bytes), *lower], **kw
+    )  # type: ignore[arg-type]
 
 
 async def test_write_through_then_stage_back_into_a_fresh_cpu_tier() -> None:
@@ -119,7 +121,8 @@ async def test_write_through_then_stage_back_into_a_fresh_cpu_tier() -> None:
         await _serve(eng, a, "a", tokens)
         await a.flush()
         assert a.stats().write_through_blocks == 4
-    assert shared.closed and len(shared.data) == 4
+    assert shared.closed
+    assert len(shared.data) == 4
 
     shared.closed = False
     eng2 = SimEngine(block_size=4)
@@ -132,7 +135,8 @@ async def test_write_through_then_stage_back_into_a_fresh_cpu_tier() -> None:
         eng2.check_tokens(running_hashes([*tokens, 1, 2]), dst, 16)
         await req.abort()
         s = b.stats()
-        assert s.staged_blocks == 4 and s.hits == 4
+        assert s.staged_blocks == 4
+        assert s.hits == 4
         # Promoted: the next lookup is served by the CPU tier alone.
         reads = shared.reads
         again = b.open("c", tokens)
@@ -178,7 +182,8 @@ async def test_corrupt_lower_tier_entry_truncates_the_hit() -> None:
         assert await req.lookup() == 8  # blocks 0-1 only: block 2 failed verification
         await req.abort()
         s = b.stats()
-        assert s.staged_blocks == 2 and s.errors >= 1
+        assert s.staged_blocks == 2
+        assert s.errors >= 1
         assert b.cpu.stats().used_slots == 2  # the failed slot was released
         b.cpu.index.check_invariants()
 
@@ -191,7 +196,9 @@ async def test_lower_tier_outage_degrades_to_misses_and_dropped_writes() -> None
         await _serve(eng, off, "a", list(range(9)))
         await off.flush()
         s = off.stats()
-        assert s.blocks_stored == 2 and s.write_through_blocks == 0 and s.write_through_dropped == 2
+        assert s.blocks_stored == 2
+        assert s.write_through_blocks == 0
+        assert s.write_through_dropped == 2
         assert off.cpu.stats().pinned == 0
         # A lookup past the CPU tier's content asks the dead tier, gets an error, and reports a miss.
         req = off.open("b", list(range(100, 120)))
@@ -231,5 +238,6 @@ async def test_aclose_bounds_the_wait_for_a_hung_tier() -> None:
     async with off:
         await _serve(eng, off, "a", list(range(9)))
     s = off.stats()
-    assert s.write_through_blocks == 0 and s.write_through_dropped == 2
+    assert s.write_through_blocks == 0
+    assert s.write_through_dropped == 2
     assert shared.closed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,9 @@ pytestmark = pytest.mark.asyncio
 
 
 def _offloader(eng: SimEngine, blocks: int = 64, eviction: str = "lru") -> Offloader:
-    return Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=blocks * eng.layout.slot_bytes)], eviction=eviction)
+    return Offloader(
+        eng.layout, tiers=[CPUTier(capacity_bytes=blocks * eng.layout.slot_bytes)], eviction=eviction
+    )
 
 
 async def _prefill_and_decode(
@@ -234,9 +237,17 @@ async def test_cancelled_load_after_submission_keeps_blocks_guarded(monkeypatch:
         await req.lookup()
         dst = eng.alloc(2)
         assert dst is not None
+        submitted = asyncio.Event()
+        orig = aiokv.TransferExecutor.submit_load
+
+        def spy(self: aiokv.TransferExecutor, *args: Any) -> aiokv.TransferFuture:
+            tf = orig(self, *args)
+            submitted.set()
+            return tf
+
+        monkeypatch.setattr(aiokv.TransferExecutor, "submit_load", spy)
         loading = asyncio.ensure_future(_wait(req.load(dst)))
-        while off.stats().in_flight == 0:  # until the request task has submitted the copy
-            await asyncio.sleep(0)
+        await submitted.wait()  # the request task has put the copy on its stream
         loading.cancel()
         aborting = asyncio.ensure_future(_wait(req.abort()))
         for _ in range(20):
@@ -247,12 +258,14 @@ async def test_cancelled_load_after_submission_keeps_blocks_guarded(monkeypatch:
         await aborting
         assert off.cpu.stats().pinned == 0
         assert off.stats().in_flight == 0
-        hashes = running_hashes(prompt + [1])
+        hashes = running_hashes([*prompt, 1])
         eng.check_block(hashes, dst[0], 0)  # the copy did complete before abort() resolved
         eng.check_block(hashes, dst[1], 1)
 
 
-async def test_cancelled_finish_still_finishes_without_reporting_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_cancelled_finish_still_finishes_without_reporting_reuse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     gate = Gate()
     gate.install(monkeypatch)
     eng = SimEngine(block_size=4)
@@ -273,7 +286,8 @@ async def test_cancelled_finish_still_finishes_without_reporting_reuse(monkeypat
         await req.abort()  # idempotent: resolves when the request task is done
         assert req.state is RequestState.FINISHED
         s = off.stats()
-        assert s.blocks_stored == 2 and s.in_flight == 0
+        assert s.blocks_stored == 2
+        assert s.in_flight == 0
         assert off.cpu.stats().pending == 0
 
 
@@ -342,7 +356,9 @@ async def _run_schedule(seed: int, gate: Gate) -> dict[str, int]:
                 prompt = prev + [rng.randrange(40) for _ in range(rng.randint(1, 6))]
             else:
                 base = rng.choice(bases)
-                prompt = base[: rng.randint(1, len(base))] + [rng.randrange(40) for _ in range(rng.randint(0, 5))]
+                prompt = base[: rng.randint(1, len(base))] + [
+                    rng.randrange(40) for _ in range(rng.randint(0, 5))
+                ]
             end = rng.choices(["finish", "abort", "preempt"], weights=[6, 2, 2])[0]
             sims.append(_Sim(f"r{i}", prompt, rng.randint(0, 6), end))
         active = sims[: rng.randint(1, len(sims))]
@@ -360,7 +376,9 @@ async def _run_schedule(seed: int, gate: Gate) -> dict[str, int]:
             if s.pending is not None and not s.pending.done():
                 if all(x.pending is not None and not x.pending.done() for x in active):
                     gate.open()
-                    await asyncio.wait([x.pending for x in active if x.pending], return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        [x.pending for x in active if x.pending], return_when=asyncio.FIRST_COMPLETED
+                    )
                     gate.close()
                 else:
                     await asyncio.sleep(0)  # a scheduling point: lets request tasks and callbacks run
@@ -438,7 +456,8 @@ async def _run_schedule(seed: int, gate: Gate) -> dict[str, int]:
         stats = off.stats()
         assert stats.in_flight == 0
         cpu = off.cpu.stats()
-        assert cpu.pinned == 0 and cpu.pending == 0
+        assert cpu.pinned == 0
+        assert cpu.pending == 0
         off.cpu.index.check_invariants()
         # Everything a finished request computed is still there unless eviction (counted) took it.
         for i, (tokens, computed) in enumerate(finished):
@@ -446,8 +465,11 @@ async def _run_schedule(seed: int, gate: Gate) -> dict[str, int]:
             hit = await probe.lookup()
             expect = min(computed // bs, (len(tokens) - 1) // bs)
             if roomy:
-                assert stats.evictions == 0 and stats.stores_dropped == 0
-                assert hit // bs >= expect, f"seed {seed}: finished request lost blocks ({hit // bs} < {expect})"
+                assert stats.evictions == 0
+                assert stats.stores_dropped == 0
+                assert hit // bs >= expect, (
+                    f"seed {seed}: finished request lost blocks ({hit // bs} < {expect})"
+                )
             n = min(-(-hit // bs), len(eng.free))
             dst = eng.alloc(n)
             assert dst is not None
