@@ -9,6 +9,7 @@ incompatible layouts can never match. Hashes are sha256 over canonical bytes; th
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from collections.abc import Iterable, Sequence
 
@@ -41,6 +42,35 @@ def _canon(value: object, name: str = "hash keys") -> bytes:
     raise InvalidTypeError(
         f"{name} must be None, bool, int, str, bytes or tuples of them, got {type(value).__name__}"
     )
+
+
+_I64_MIN = -(1 << 63)
+_I64_MAX = (1 << 63) - 1
+
+
+def check_token_ids(token_ids: object, name: str = "token_ids") -> list[int]:
+    """Validate token ids at the API boundary and return them as a list of ints.
+
+    Accepts ints and int-likes (numpy integers, 0-d tensors: anything with ``__index__``) in the int64 range;
+    rejects bools, floats and strings rather than truncating or parsing them, since a wrong token silently
+    changes every later block hash.
+    """
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+        raise InvalidTypeError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    out: list[int] = []
+    append = out.append
+    for t in token_ids:
+        if type(t) is not int:
+            if isinstance(t, bool):
+                raise InvalidTypeError(f"{name} must contain ints, got {t!r}")
+            try:
+                t = operator.index(t)
+            except TypeError:
+                raise InvalidTypeError(f"{name} must contain ints, got {t!r}") from None
+        if t < _I64_MIN or t > _I64_MAX:
+            raise InvalidArgumentError(f"{name} must be in the int64 range, got {t}")
+        append(t)
+    return out
 
 
 def make_root(fingerprint: bytes = b"", model_id: str | None = None) -> bytes:

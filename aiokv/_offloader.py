@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any
 
 from ._errors import ClosedError, DuplicateRequestError, InvalidArgumentError, InvalidTypeError
-from ._hashing import _canon
+from ._hashing import _canon, check_token_ids
 from ._layout import KVLayout
 from ._request import Request
 from ._stats import Counters, OffloaderStats
@@ -197,12 +197,7 @@ class Offloader:
         key = str(request_id)
         if key in self._requests:
             raise DuplicateRequestError(f"request_id {key!r} is already open")
-        if isinstance(prompt_token_ids, (str, bytes)):
-            raise InvalidTypeError("prompt_token_ids must be a sequence of ints, got a string")
-        try:
-            tokens = [int(t) for t in prompt_token_ids]
-        except (TypeError, ValueError):
-            raise InvalidTypeError("prompt_token_ids must be a sequence of ints") from None
+        tokens = check_token_ids(prompt_token_ids, "prompt_token_ids")
         if not tokens:
             raise InvalidArgumentError("prompt_token_ids must not be empty")
         _canon(salt)  # validates the salt's type early

@@ -21,7 +21,7 @@ from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import InvalidArgumentError, InvalidTypeError, RequestStateError
-from ._hashing import block_hashes, chain_seed, partial_block_hash
+from ._hashing import block_hashes, chain_seed, check_token_ids, partial_block_hash
 from .transfer._future import TransferFuture, resolve
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ class RequestState(enum.Enum):
     ABORTED = "aborted"
 
 
+_EMPTY: list[int] = []
 _ENDED = (RequestState.FINISHING, RequestState.FINISHED, RequestState.ABORTED)
 
 
@@ -214,12 +215,7 @@ class Request:
                         raise InvalidArgumentError(
                             f"new_block_ids must not repeat a block the request holds, got {b}"
                         )
-        toks: list[int] = []
-        if len(new_token_ids):
-            try:
-                toks = [int(t) for t in new_token_ids]
-            except (TypeError, ValueError):
-                raise InvalidTypeError("new_token_ids must be a sequence of ints") from None
+        toks = check_token_ids(new_token_ids, "new_token_ids") if len(new_token_ids) else _EMPTY
         n = num_computed_tokens
         if n < self.num_computed_tokens:
             raise InvalidArgumentError(

@@ -6,6 +6,7 @@ depend on the machine; ratios travel) and writes ``benchmarks/results/<name>.jso
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -48,10 +49,8 @@ def machine() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    try:
+    with contextlib.suppress(ValueError, OSError):
         info["mem_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        pass
     return info
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import re
 import sys
-import tomllib
 import types
 from importlib import resources
 from pathlib import Path
@@ -68,9 +68,13 @@ def test_init_source_is_only_imports_and_metadata() -> None:
         assert targets in (["__all__"], ["__version__"]), f"line {node.lineno} defines {targets}"
 
 
+PYPROJECT = (REPO / "pyproject.toml").read_text()  # read with re: tomllib is 3.11+, the package supports 3.10
+
+
 def test_version_matches_pyproject() -> None:
-    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert aiokv.__version__ == meta["project"]["version"]
+    match = re.search(r'^version = "([^"]+)"', PYPROJECT, re.MULTILINE)
+    assert match is not None
+    assert aiokv.__version__ == match.group(1)
 
 
 def test_exported_classes_and_functions_are_documented() -> None:
@@ -86,5 +90,6 @@ def test_exported_classes_and_functions_are_documented() -> None:
 def test_py_typed_ships() -> None:
     marker = resources.files("aiokv") / "py.typed"
     assert marker.is_file()
-    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "py.typed" in meta["tool"]["setuptools"]["package-data"]["aiokv"]
+    package_data = re.search(r"^\[tool\.setuptools\.package-data\]\n(.*?)(?:\n\[|\Z)", PYPROJECT, re.MULTILINE | re.DOTALL)
+    assert package_data is not None
+    assert re.search(r'^aiokv = \[.*"py\.typed".*\]', package_data.group(1), re.MULTILINE)

@@ -244,8 +244,8 @@ async def test_duplicate_request_id_is_rejected_and_the_first_request_is_untouch
     ("args", "kwargs", "exc", "match"),
     [
         ((True, [1]), {}, InvalidTypeError, r"request_id must be a str or int, got bool"),
-        (("r", "abc"), {}, InvalidTypeError, r"prompt_token_ids must be a sequence of ints, got a string"),
-        (("r", [1, None]), {}, InvalidTypeError, r"prompt_token_ids must be a sequence of ints"),
+        (("r", "abc"), {}, InvalidTypeError, r"prompt_token_ids must be a sequence of ints, got (a string|str)"),
+        (("r", [1, None]), {}, InvalidTypeError, r"prompt_token_ids must (be a sequence of|contain) ints"),
         (("r", []), {}, InvalidArgumentError, r"prompt_token_ids must not be empty"),
         (("r", [1], 1.5), {}, InvalidTypeError, r"(salt|hash keys) must be None, bool, int, str, bytes or tuples of them, got float"),
         (("r", [1], ("t", object())), {}, InvalidTypeError, r"got object"),
@@ -263,6 +263,55 @@ async def test_open_rejects_bad_arguments_without_side_effects(
     off.open("r", [1, 2, 3])  # the id was not taken by the rejected call
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("tokens", "exc", "match"),
+    [
+        ([1, 2.5, 3], InvalidTypeError, r"prompt_token_ids must (be a sequence of|contain) ints"),
+        ([1, 2.0, 3], InvalidTypeError, r"prompt_token_ids must (be a sequence of|contain) ints"),
+        ([1, "7", 3], InvalidTypeError, r"prompt_token_ids must (be a sequence of|contain) ints"),
+        ([True, 2, 3], InvalidTypeError, r"prompt_token_ids must (be a sequence of|contain) ints"),
+        ([2**70, 1, 2, 3, 4, 5, 6, 7, 8], InvalidArgumentError, r"prompt_token_ids must be in the int64 range"),
+    ],
+)
+async def test_open_rejects_token_ids_that_would_hash_wrongly(
+    off: Offloader, tokens: list[Any], exc: type[Exception], match: str
+) -> None:
+    """Regression: open() ran ``int(t)`` over the prompt, so 2.5 became 2 and "7" became 7 (silently wrong
+    hashes), and a token outside int64 was accepted and later killed the request task with the
+    InvalidArgumentError of ``block_hashes`` on its first store ('Task exception was never retrieved')."""
+    before = snapshot(off)
+    with pytest.raises(exc, match=match):
+        off.open("r", tokens)
+    assert off.get("r") is None
+    assert snapshot(off) == before
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("new_tokens", "exc", "match"),
+    [
+        ([1.5], InvalidTypeError, r"new_token_ids must (be a sequence of|contain) ints"),
+        (["7"], InvalidTypeError, r"new_token_ids must (be a sequence of|contain) ints"),
+        ([False], InvalidTypeError, r"new_token_ids must (be a sequence of|contain) ints"),
+        ([2**63], InvalidArgumentError, r"new_token_ids must be in the int64 range"),
+    ],
+)
+async def test_step_rejects_token_ids_that_would_hash_wrongly(
+    off: Offloader, new_tokens: list[Any], exc: type[Exception], match: str
+) -> None:
+    req = off.open("r", list(range(7)))
+    req.step(4, new_block_ids=[0, 1])
+    req_before = request_snapshot(req)
+    with pytest.raises(exc, match=match):
+        req.step(8, new_tokens)
+    assert request_snapshot(req) == req_before
+    req.step(8, [7])
+    await req.finish()
+    assert req.state is RequestState.FINISHED
+    assert off.stats().blocks_stored == 2
+
+
 # -------------------------------------------------------------------------------------- step / load
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
@@ -277,7 +326,7 @@ async def test_open_rejects_bad_arguments_without_side_effects(
         ((3, (), ()), InvalidArgumentError, r"num_computed_tokens must not decrease, got 3 after 4"),
         ((11, (), [2]), InvalidArgumentError, r"num_computed_tokens must be <= known tokens \(10\), got 11"),
         ((9, (), ()), InvalidArgumentError, r"num_computed_tokens must fit in the request's 2 blocks of 4 tokens, got 9"),
-        ((8, [1, None], ()), InvalidTypeError, r"new_token_ids must be a sequence of ints"),
+        ((8, [1, None], ()), InvalidTypeError, r"new_token_ids must (be a sequence of|contain) ints"),
     ],
 )
 async def test_rejected_step_leaves_the_request_and_stats_unchanged(

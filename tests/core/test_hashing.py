@@ -12,12 +12,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokv import NONE_ROOT, InvalidArgumentError, InvalidTypeError, KVLayout, block_hashes, make_root
+from aiokv._hashing import check_token_ids
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,10 +53,15 @@ def golden_inputs() -> dict[str, list[str]]:
     }
 
 
+# The child loads aiokv's hashing module without running ``aiokv/__init__`` (which imports torch: seconds per
+# process on a small machine) by registering a bare package object first.
 _CHILD = f"""
-import json, sys
-sys.path.insert(0, {str(REPO)!r})
-from aiokv import NONE_ROOT, block_hashes, make_root
+import json, sys, types
+pkg = types.ModuleType("aiokv")
+pkg.__path__ = [{str(REPO / "aiokv")!r}]
+sys.modules["aiokv"] = pkg
+from aiokv._hashing import NONE_ROOT, block_hashes, make_root
+assert "torch" not in sys.modules
 {textwrap.dedent(inspect.getsource(golden_inputs))}
 print(json.dumps({{"aiokv": golden_inputs(), "str_hash": hash("aiokv")}}))
 """
@@ -74,7 +81,7 @@ def test_format_is_sha256_chained_over_int64_tokens() -> None:
     h0 = hashlib.sha256(seed + struct.pack("<16q", *range(16))).digest()
     h1 = hashlib.sha256(h0 + struct.pack("<16q", *range(16, 32))).digest()
     assert block_hashes(list(range(32)), 16) == [h0, h1]
-    assert NONE_ROOT == hashlib.sha256(b"aiokv/root/v1").digest()
+    assert hashlib.sha256(b"aiokv/root/v1").digest() == NONE_ROOT
 
 
 def test_partial_trailing_block_gets_no_hash() -> None:
@@ -207,6 +214,33 @@ def test_bad_arguments_are_rejected(kwargs: dict[str, object], exc: type[Excepti
 def test_tokens_outside_int64_are_rejected(tokens: list[int]) -> None:
     with pytest.raises(InvalidArgumentError, match=r"token_ids must be ints in the int64 range"):
         block_hashes(tokens, 4)
+
+
+def test_check_token_ids_accepts_ints_and_int_likes() -> None:
+    assert check_token_ids([1, 2**63 - 1, -(2**63)]) == [1, 2**63 - 1, -(2**63)]
+    assert check_token_ids(np.array([3, 4], dtype=np.int32)) == [3, 4]
+    assert check_token_ids([np.int64(5), torch.tensor(6)]) == [5, 6]
+    assert check_token_ids(range(3)) == [0, 1, 2]
+    assert check_token_ids(()) == []
+
+
+@pytest.mark.parametrize(
+    ("tokens", "exc", "match"),
+    [
+        ([1, 2.0], InvalidTypeError, r"prompt_token_ids must contain ints, got 2.0"),
+        ([1.5], InvalidTypeError, r"prompt_token_ids must contain ints, got 1.5"),
+        (["7"], InvalidTypeError, r"prompt_token_ids must contain ints, got '7'"),
+        ([True], InvalidTypeError, r"prompt_token_ids must contain ints, got True"),
+        ([None], InvalidTypeError, r"prompt_token_ids must contain ints, got None"),
+        ("123", InvalidTypeError, r"prompt_token_ids must be a sequence of ints, got str"),
+        (7, InvalidTypeError, r"prompt_token_ids must be a sequence of ints, got int"),
+        ([2**63], InvalidArgumentError, r"prompt_token_ids must be in the int64 range, got 9223372036854775808"),
+        ([-(2**63) - 1], InvalidArgumentError, r"prompt_token_ids must be in the int64 range"),
+    ],
+)
+def test_check_token_ids_rejects_what_would_change_hashes_silently(tokens: object, exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        check_token_ids(tokens, "prompt_token_ids")
 
 
 # ----------------------------------------------------------------------------------------- processes

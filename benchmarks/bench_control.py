@@ -1,0 +1,305 @@
+"""Control path: aiokv's cost per request-step while many requests decode, and finish-to-reusable latency.
+
+A simulated engine runs ``--requests`` concurrent requests (default 1024) on a CPU layout with tiny blocks
+(16 tokens, 2 tensors x 16 x 4 fp16 = 256 B per block, so copies cost next to nothing and the figure is the
+control path: validation, hashing, events, index, executor submissions and completion callbacks). Each
+request is opened, looked up, prefilled in one step, then decoded for ``--steps`` engine iterations; every
+iteration steps every request once (``step()`` is synchronous) and then yields to the event loop once, as an
+engine's async loop would, which is when aiokv's request tasks and copy completions run.
+
+Figure: (wall time of the decode loop with aiokv - wall time of the same loop doing only the engine
+bookkeeping) / (requests x steps), in microseconds per request-step, median of ``--reps`` alternating runs, on
+the default asyncio loop and on uvloop, under three garbage-collector regimes (see :class:`GCRegime`: a full
+collection of a process that imported torch costs ~0.1 s on a small machine, and aiokv's allocations trigger
+some). The aiokv loop's time includes draining the copies it submitted. Target: <= 5 us. Also: finish-to-reusable latency (``finish()`` call
+to resolution; requests finish 16 per iteration, as in an engine) p50 / p99.
+
+Run: ``python benchmarks/bench_control.py [--quick] [--profile]`` (``--profile`` prints a pyinstrument profile
+of one aiokv decode loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import _common as common
+import torch
+
+from aiokv import CPUTier, KVLayout, Offloader, Request
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover
+    uvloop = None
+
+BLOCK = 16
+PROMPT = 64
+TARGET_US = 5.0
+FINISH_PER_ITERATION = 16
+
+
+class Engine:
+    """The bookkeeping every engine does per request-step anyway: sample a token, grow the block table."""
+
+    def __init__(self, num_requests: int, steps: int, seed: int) -> None:
+        blocks_per_req = (PROMPT + steps) // BLOCK + 2
+        self.num_blocks = num_requests * blocks_per_req
+        self.free = list(range(self.num_blocks - 1, -1, -1))
+        rng = random.Random(seed)
+        self.prompts = [[rng.randrange(32_000) for _ in range(PROMPT)] for _ in range(num_requests)]
+        self.tokens: list[list[int]] = []
+        self.blocks: list[list[int]] = []
+        self.computed: list[int] = []
+        self.rng = rng
+
+    def reset(self) -> None:
+        self.free = list(range(self.num_blocks - 1, -1, -1))
+        self.tokens = [list(p) for p in self.prompts]
+        self.blocks = []
+        self.computed = [0] * len(self.prompts)
+
+    def alloc(self, n: int) -> list[int]:
+        free = self.free
+        return [free.pop() for _ in range(n)]
+
+    def decode_one(self, i: int) -> tuple[int, list[int], list[int]]:
+        """One decode step of request ``i``: returns (num_computed_tokens, new_token_ids, new_block_ids)."""
+        toks = self.tokens[i]
+        n = len(toks)  # the last sampled token's KV is computed in this step
+        new_tok = (toks[-1] * 31 + n) % 32_000
+        toks.append(new_tok)
+        blocks = self.blocks[i]
+        new_blocks = self.alloc(1) if n + 1 > len(blocks) * BLOCK else []
+        blocks.extend(new_blocks)
+        self.computed[i] = n
+        return n, [new_tok], new_blocks
+
+
+def make_layout(num_blocks: int) -> KVLayout:
+    k = torch.ones(num_blocks, BLOCK, 4, dtype=torch.float16)
+    return KVLayout([k, k.clone()], block_size=BLOCK)
+
+
+class GCRegime:
+    """How the garbage collector runs during the timed loop (the same for aiokv and the baseline).
+
+    ``default``: CPython's defaults; a full collection walks every tracked object of the process (torch alone
+    has ~170k), so its cost depends on the host application more than on aiokv. ``freeze``: ``gc.freeze()``
+    after setup, as vLLM's engine core does, so collections skip the long-lived startup heap. ``off``: no
+    collections during the loop, a lower bound showing aiokv's own CPU cost.
+    """
+
+    MODES = ("default", "freeze", "off")
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def __enter__(self) -> GCRegime:
+        gc.collect()
+        if self.mode == "freeze":
+            gc.freeze()
+        elif self.mode == "off":
+            gc.disable()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.enable()
+        if self.mode == "freeze":
+            gc.unfreeze()
+
+
+async def decode_loop_baseline(eng: Engine, steps: int, gc_mode: str = "default") -> float:
+    eng.reset()
+    n_req = len(eng.prompts)
+    for i in range(n_req):
+        eng.blocks.append(eng.alloc(PROMPT // BLOCK + 1))
+        eng.computed[i] = PROMPT
+    decode = eng.decode_one
+    with GCRegime(gc_mode):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for i in range(n_req):
+                decode(i)
+            await asyncio.sleep(0)
+        return time.perf_counter() - t0
+
+
+async def decode_loop_aiokv(eng: Engine, steps: int, gc_mode: str = "default", profile: bool = False) -> dict[str, Any]:
+    eng.reset()
+    n_req = len(eng.prompts)
+    layout = make_layout(eng.num_blocks)
+    capacity = layout.slot_bytes * eng.num_blocks
+    async with Offloader(layout, [CPUTier(capacity_bytes=capacity)]) as off:
+        reqs: list[Request] = []
+        for i in range(n_req):
+            reqs.append(off.open(f"r{i}", eng.prompts[i]))
+        hits = await asyncio.gather(*(r.lookup() for r in reqs))
+        assert sum(hits) == 0
+        for i, r in enumerate(reqs):
+            blocks = eng.alloc(PROMPT // BLOCK + 1)
+            eng.blocks.append(blocks)
+            eng.computed[i] = PROMPT
+            r.step(PROMPT, (), blocks)  # prefill (its last token's KV included)
+        await asyncio.sleep(0)
+        await off.executor.drain()  # the prefill's stores are not part of the decode figure
+
+        decode = eng.decode_one
+        profiler = None
+        if profile:
+            from pyinstrument import Profiler
+
+            profiler = Profiler(interval=0.0002, async_mode="disabled")
+        with GCRegime(gc_mode):
+            if profiler is not None:
+                profiler.start()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                for i in range(n_req):
+                    n, new_tok, new_blocks = decode(i)
+                    reqs[i].step(n, new_tok, new_blocks)
+                await asyncio.sleep(0)
+            await off.executor.drain()  # copies and completions the loop has not run yet are aiokv work too
+            elapsed = time.perf_counter() - t0
+            if profiler is not None:
+                profiler.stop()
+
+        # Finish 16 requests per iteration; latency = finish() call to resolution.
+        latencies: list[float] = []
+
+        async def finish(r: Request) -> None:
+            t = time.perf_counter()
+            await r.finish()
+            latencies.append(time.perf_counter() - t)
+
+        tasks = []
+        for start in range(0, n_req, FINISH_PER_ITERATION):
+            for r in reqs[start : start + FINISH_PER_ITERATION]:
+                tasks.append(asyncio.ensure_future(finish(r)))
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        stats = off.stats()
+    return {
+        "seconds": elapsed,
+        "finish_latencies": latencies,
+        "blocks_stored": stats.blocks_stored,
+        "store_errors": stats.store_errors,
+        "profile": profiler.output_text(unicode=True, color=False, show_all=False) if profiler else None,
+    }
+
+
+def run_on(
+    loop_name: str, new_loop: Callable[[], asyncio.AbstractEventLoop], gc_mode: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    eng = Engine(args.requests, args.steps, args.seed)
+    base: list[float] = []
+    with_aiokv: list[float] = []
+    fin: list[float] = []
+    stored = 0
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(decode_loop_baseline(eng, max(8, args.steps // 8)))  # warm-up
+        for rep in range(args.reps):
+            common.status(f"  {loop_name}, gc {gc_mode}: rep {rep + 1}/{args.reps}")
+            base.append(runner.run(decode_loop_baseline(eng, args.steps, gc_mode)))
+            res = runner.run(decode_loop_aiokv(eng, args.steps, gc_mode))
+            with_aiokv.append(res["seconds"])
+            fin.extend(res["finish_latencies"])
+            stored = res["blocks_stored"]
+            assert res["store_errors"] == 0
+        profile = None
+        if args.profile:
+            profile = runner.run(decode_loop_aiokv(eng, args.steps, gc_mode, profile=True))["profile"]
+    request_steps = args.requests * args.steps
+    per_step = sorted((a - b) / request_steps * 1e6 for a, b in zip(with_aiokv, base, strict=True))
+    return {
+        "loop": loop_name,
+        "gc": gc_mode,
+        "baseline_s": common.summarize(base),
+        "aiokv_s": common.summarize(with_aiokv),
+        "us_per_request_step": common.summarize(per_step)["median"],
+        "us_per_request_step_samples": per_step,
+        "baseline_us_per_request_step": common.summarize(base)["median"] / request_steps * 1e6,
+        "ratio_to_baseline_loop": common.summarize(with_aiokv)["median"] / common.summarize(base)["median"],
+        "finish_us": {
+            "p50": common.percentile(fin, 50) * 1e6,
+            "p99": common.percentile(fin, 99) * 1e6,
+            "max": max(fin) * 1e6,
+            "n": len(fin),
+        },
+        "blocks_stored_per_run": stored,
+        "profile": profile,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=256, help="decode iterations")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="256 requests x 64 steps x 2 reps")
+    parser.add_argument("--profile", action="store_true", help="print a pyinstrument profile per loop")
+    parser.add_argument("--gc", nargs="+", choices=GCRegime.MODES, default=list(GCRegime.MODES))
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.steps, args.reps = 256, 64, 2
+    torch.set_num_threads(1)
+    loops: list[tuple[str, Callable[[], asyncio.AbstractEventLoop]]] = [("asyncio", asyncio.new_event_loop)]
+    if uvloop is not None:
+        loops.append(("uvloop", uvloop.new_event_loop))
+    common.status(f"bench_control: {args.requests} requests x {args.steps} decode steps x {args.reps} reps")
+    results = [run_on(name, factory, mode, args) for mode in args.gc for name, factory in loops]
+    rows = [
+        [
+            r["loop"],
+            r["gc"],
+            r["baseline_us_per_request_step"],
+            r["us_per_request_step"],
+            r["ratio_to_baseline_loop"],
+            r["finish_us"]["p50"],
+            r["finish_us"]["p99"],
+        ]
+        for r in results
+    ]
+    worst = max(r["us_per_request_step"] for r in results)
+    by_mode = {m: max(r["us_per_request_step"] for r in results if r["gc"] == m) for m in args.gc}
+    common.print_table(
+        f"bench_control: {args.requests} requests x {args.steps} decode steps, block {BLOCK} (median of {args.reps})",
+        ["loop", "gc", "engine-only us/step", "aiokv us/step", "loop time x", "finish p50 us", "finish p99 us"],
+        rows,
+        note=f"aiokv us/step = (loop with aiokv - engine-only loop) per request-step; target <= {TARGET_US} us: "
+        + ", ".join(f"gc {m} worst {v:.2f} ({'met' if v <= TARGET_US else 'MISSED'})" for m, v in by_mode.items()),
+    )
+    for r in results:
+        if r["profile"]:
+            print(f"\n--- pyinstrument profile, {r['loop']}, gc {r['gc']} ---\n{r['profile']}")
+    path = common.write_result(
+        "control",
+        {
+            "config": {
+                "requests": args.requests,
+                "decode_steps": args.steps,
+                "prompt_tokens": PROMPT,
+                "block_tokens": BLOCK,
+                "reps": args.reps,
+                "finish_per_iteration": FINISH_PER_ITERATION,
+                "quick": args.quick,
+                "gc_modes": args.gc,
+            },
+            "target_us": TARGET_US,
+            "worst_us": worst,
+            "worst_us_by_gc": by_mode,
+            "met": worst <= TARGET_US,
+            "loops": [{k: v for k, v in r.items() if k != "profile"} for r in results],
+        },
+    )
+    common.status(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
