@@ -12,6 +12,7 @@ from ._errors import (
     InvalidArgumentError,
     InvalidLayoutError,
     InvalidTypeError,
+    MissingDependencyError,
     RequestStateError,
     TierLockedError,
     TransferError,
@@ -21,10 +22,20 @@ from ._layout import KVLayout
 from ._offloader import Offloader
 from ._request import Request, RequestHandle, RequestState
 from ._stats import OffloaderStats
-from .tiers._base import BackingTier, TierSpec
+from .tiers._base import BackingTier, TierHealth, TierSpec
 from .tiers._cpu import CPUTier, CPUTierStats
+from .tiers._disk import DiskTier, DiskTierStats
 from .tiers._index import BlockIndex, EntryState
-from .tiers._policies import EvictionPolicy, LRUPolicy, make_policy, policy_names, register_policy
+from .tiers._policies import (
+    ARCPolicy,
+    ChainLRUPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    make_policy,
+    policy_names,
+    register_policy,
+)
+from .tiers._redis import RedisTier, RedisTierStats
 from .transfer._executor import ExecutorStats, TransferExecutor
 from .transfer._future import TransferFuture
 
@@ -32,6 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "NONE_ROOT",
+    "ARCPolicy",
     "AiokvError",
     "BackingTier",
     "BlockIndex",
@@ -39,7 +51,10 @@ __all__ = [
     "CPUTier",
     "CPUTierStats",
     "CapacityError",
+    "ChainLRUPolicy",
     "ClosedError",
+    "DiskTier",
+    "DiskTierStats",
     "DuplicateRequestError",
     "EntryState",
     "EvictionPolicy",
@@ -49,12 +64,16 @@ __all__ = [
     "InvalidTypeError",
     "KVLayout",
     "LRUPolicy",
+    "MissingDependencyError",
     "Offloader",
     "OffloaderStats",
+    "RedisTier",
+    "RedisTierStats",
     "Request",
     "RequestHandle",
     "RequestState",
     "RequestStateError",
+    "TierHealth",
     "TierLockedError",
     "TierSpec",
     "TransferError",

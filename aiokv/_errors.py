@@ -16,6 +16,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidLayoutError",
     "InvalidTypeError",
+    "MissingDependencyError",
     "RequestStateError",
     "TierLockedError",
     "TransferError",
@@ -64,3 +65,7 @@ class TransferError(AiokvError, RuntimeError):
 
 class TierLockedError(AiokvError, RuntimeError):
     """A persistent tier's directory is already opened by another process."""
+
+
+class MissingDependencyError(AiokvError, ImportError):
+    """An optional dependency (an extra such as ``aiokv[plot]``) is not installed."""

@@ -8,8 +8,8 @@ root and touches only these two files). Writes land in the page cache (no fsync)
 Redis: ``RedisTier.write`` / ``read_into`` vs raw pipelined ``SET`` / ``GET`` of values of the same size
 through the same redis-py client, against a ``redis-server`` this script starts on a free loopback port.
 
-Every measurement is the best of ``--repeat`` runs, tier and baseline alternating. Prints GB/s (1e9 B/s) and
-ratios (tier / baseline; 1.0 = no overhead). Run: ``python benchmarks/bench_tiers.py [--quick]``.
+Tier and baseline alternate ``--repeat`` times; prints the best GB/s (1e9 B/s) of each and the median of the
+per-pair ratios (tier / baseline; 1.0 = no overhead), which is what to compare on a noisy machine. Run: ``python benchmarks/bench_tiers.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aiokv.tiers._base import TierSpec  # noqa: E402
-from aiokv.tiers._disk import DiskTier  # noqa: E402
-from aiokv.tiers._format import HEADER_SIZE  # noqa: E402
-from aiokv.tiers._redis import RedisTier  # noqa: E402
+from aiokv.tiers._base import TierSpec
+from aiokv.tiers._disk import DiskTier
+from aiokv.tiers._format import HEADER_SIZE
+from aiokv.tiers._redis import RedisTier
 
 FP = hashlib.sha256(b"bench-layout").digest()
 
@@ -44,8 +44,33 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-async def best_of(repeat: int, fn: Callable[[], Awaitable[float]]) -> float:
-    return min([await fn() for _ in range(repeat)])
+class Pair:
+    """Alternating measurements of a tier operation and its baseline: best GB/s of each and the median of the
+    per-pair ratios (robust against a noisy machine drifting between pairs)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.tier: list[float] = []
+        self.base: list[float] = []
+
+    def add(self, tier_s: float, base_s: float) -> None:
+        self.tier.append(tier_s)
+        self.base.append(base_s)
+
+    @property
+    def tier_gbps(self) -> float:
+        return gbps(self.nbytes, min(self.tier))
+
+    @property
+    def base_gbps(self) -> float:
+        return gbps(self.nbytes, min(self.base))
+
+    @property
+    def ratio(self) -> float:
+        return float(statistics.median(b / t for t, b in zip(self.tier, self.base, strict=True)))
+
+    def row(self, label: str) -> str:
+        return f"  {label:10} {self.tier_gbps:10.2f} {self.base_gbps:11.2f} {self.ratio:7.2f}"
 
 
 def make_blocks(n: int, payload_bytes: int) -> tuple[list[bytes], list[memoryview], list[memoryview]]:
@@ -69,18 +94,19 @@ def drop_cache(path: Path) -> None:
 
 
 # -------------------------------------------------------------------- disk
-async def bench_disk(workdir: Path, n: int, payload_bytes: int, batch: int, repeat: int) -> dict[str, float]:
+async def bench_disk(
+    workdir: Path, n: int, payload_bytes: int, batch: int, repeat: int, io_threads: int
+) -> dict[str, Pair]:
     keys, payloads, outs = make_blocks(n, payload_bytes)
     total = n * payload_bytes
     spec = TierSpec(payload_bytes, FP, 16, "bench")
     entry = (HEADER_SIZE + payload_bytes + 4095) // 4096 * 4096
     plain_path = workdir / "plain.bin"
-    results: dict[str, float] = {}
 
     async def tier_store() -> float:
         tier_dir = workdir / "tier"
         shutil.rmtree(tier_dir, ignore_errors=True)
-        tier = DiskTier(tier_dir, n * entry, segment_bytes=n * entry)
+        tier = DiskTier(tier_dir, n * entry, segment_bytes=n * entry, io_threads=io_threads)
         await tier.open(spec)  # preallocation is not timed
         began = time.perf_counter()
         for i in range(0, n, batch):
@@ -103,15 +129,11 @@ async def bench_disk(workdir: Path, n: int, payload_bytes: int, batch: int, repe
     async def plain_store() -> float:
         return await asyncio.to_thread(plain_store_sync)
 
-    store_t: list[float] = []
-    plain_t: list[float] = []
+    store = Pair(total)
     for _ in range(repeat):
-        store_t.append(await tier_store())
-        plain_t.append(await plain_store())
-    results["disk_store_gbps"] = gbps(total, min(store_t))
-    results["plain_write_gbps"] = gbps(total, min(plain_t))
+        store.add(await tier_store(), await plain_store())
 
-    tier = DiskTier(workdir / "tier", n * entry, segment_bytes=n * entry)
+    tier = DiskTier(workdir / "tier", n * entry, segment_bytes=n * entry, io_threads=io_threads)
     await tier.open(spec)
     assert tier.stats().recovered == n
 
@@ -133,21 +155,19 @@ async def bench_disk(workdir: Path, n: int, payload_bytes: int, batch: int, repe
     async def plain_load() -> float:
         return await asyncio.to_thread(plain_load_sync)
 
+    loads: dict[str, Pair] = {}
     for label, drop in (("warm", False), ("cold", True)):
-        load_t: list[float] = []
-        plain_t = []
+        pair = loads[label] = Pair(total)
         for _ in range(repeat):
             if drop:
                 drop_cache(workdir / "tier" / "seg-00000.akv")
-            load_t.append(await tier_load())
+            tier_s = await tier_load()
             if drop:
                 drop_cache(plain_path)
-            plain_t.append(await plain_load())
-        results[f"disk_load_{label}_gbps"] = gbps(total, min(load_t))
-        results[f"plain_read_{label}_gbps"] = gbps(total, min(plain_t))
+            pair.add(tier_s, await plain_load())
     assert bytes(outs[-1]) == bytes(payloads[-1])
     await tier.aclose()
-    return results
+    return {"store": store, "load warm": loads["warm"], "load cold": loads["cold"]}
 
 
 # ------------------------------------------------------------------- redis
@@ -180,7 +200,7 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
     raise RuntimeError("redis-server did not start")
 
 
-async def bench_redis(workdir: Path, n: int, payload_bytes: int, batch: int, repeat: int) -> dict[str, float]:
+async def bench_redis(workdir: Path, n: int, payload_bytes: int, batch: int, repeat: int) -> dict[str, Pair]:
     proc, port = start_redis(workdir)
     try:
         keys, payloads, outs = make_blocks(n, payload_bytes)
@@ -226,22 +246,15 @@ async def bench_redis(workdir: Path, n: int, payload_bytes: int, batch: int, rep
                 await pipe.execute()
             return time.perf_counter() - began
 
-        res: dict[str, list[float]] = {"store": [], "set": [], "load": [], "get": []}
+        store, load = Pair(total), Pair(total)
         for _ in range(repeat):
-            res["store"].append(await tier_store())
-            res["set"].append(await raw_set())
-            res["load"].append(await tier_load())
-            res["get"].append(await raw_get())
+            store.add(await tier_store(), await raw_set())
+            load.add(await tier_load(), await raw_get())
         assert bytes(outs[-1]) == bytes(payloads[-1])
         stats = tier.stats()
         assert stats.errors == stats.timeouts == stats.corrupt == 0, stats
         await tier.aclose()
-        return {
-            "redis_store_gbps": gbps(total, min(res["store"])),
-            "raw_set_gbps": gbps(total, min(res["set"])),
-            "redis_load_gbps": gbps(total, min(res["load"])),
-            "raw_get_gbps": gbps(total, min(res["get"])),
-        }
+        return {"store": store, "load": load}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
@@ -255,10 +268,12 @@ async def main() -> None:
     parser.add_argument("--disk-mib", type=int, default=1024, help="bytes moved per disk pass (MiB)")
     parser.add_argument("--redis-mib", type=int, default=256, help="bytes moved per Redis pass (MiB)")
     parser.add_argument("--batch", type=int, default=16, help="blocks per call (one request's prefix)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--io-threads", type=int, default=4, help="DiskTier io_threads")
     parser.add_argument("--dir", default=None, help="directory for the disk files (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--skip-redis", action="store_true")
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop instead of the default loop")
     args = parser.parse_args()
     if args.quick:
         args.disk_mib, args.redis_mib, args.repeat = 128, 64, 2
@@ -266,41 +281,37 @@ async def main() -> None:
     print(
         f"block {args.block_kib} KiB, batch {args.batch}, disk {args.disk_mib} MiB/pass, "
         f"redis {args.redis_mib} MiB/pass, best of {args.repeat}; python {sys.version.split()[0]}, "
-        f"{os.cpu_count()} cpus"
+        f"{os.cpu_count()} cpus, disk io_threads {args.io_threads}, loop {'uvloop' if args.uvloop else 'asyncio'}"
     )
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="aiokv-bench-") as tmp:
         workdir = Path(tmp)
         disk = await bench_disk(
-            workdir, args.disk_mib * 1024 // args.block_kib, payload, args.batch, args.repeat
+            workdir, args.disk_mib * 1024 // args.block_kib, payload, args.batch, args.repeat, args.io_threads
         )
-        print(f"\ndisk ({workdir}, page cache: writes buffered, 'cold' = file pages dropped with fadvise)")
-        rows = [
-            ("store", "disk_store_gbps", "plain_write_gbps"),
-            ("load warm", "disk_load_warm_gbps", "plain_read_warm_gbps"),
-            ("load cold", "disk_load_cold_gbps", "plain_read_cold_gbps"),
-        ]
+        print(
+            f"\ndisk ({workdir}; writes buffered in the page cache; 'cold': file pages dropped with fadvise)"
+        )
         print(f"  {'':10} {'tier GB/s':>10} {'plain GB/s':>11} {'ratio':>7}")
-        for label, t, p in rows:
-            print(f"  {label:10} {disk[t]:10.2f} {disk[p]:11.2f} {disk[t] / disk[p]:7.2f}")
+        for label, pair in disk.items():
+            print(pair.row(label))
         if not args.skip_redis and shutil.which("redis-server"):
             rworkdir = workdir / "redis"
             rworkdir.mkdir()
             red = await bench_redis(
                 rworkdir, args.redis_mib * 1024 // args.block_kib, payload, args.batch, args.repeat
             )
-            print("\nredis (loopback, same redis-py client for tier and raw pipelines)")
+            print("\nredis (loopback, same redis-py client for the tier and the raw pipelines)")
             print(f"  {'':10} {'tier GB/s':>10} {'raw GB/s':>11} {'ratio':>7}")
-            print(
-                f"  {'store':10} {red['redis_store_gbps']:10.2f} {red['raw_set_gbps']:11.2f} "
-                f"{red['redis_store_gbps'] / red['raw_set_gbps']:7.2f}"
-            )
-            print(
-                f"  {'load':10} {red['redis_load_gbps']:10.2f} {red['raw_get_gbps']:11.2f} "
-                f"{red['redis_load_gbps'] / red['raw_get_gbps']:7.2f}"
-            )
+            for label, pair in red.items():
+                print(pair.row(label))
         else:
             print("\nredis: skipped (no redis-server or --skip-redis)")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    if "--uvloop" in sys.argv:
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())

@@ -62,7 +62,12 @@ def render() -> str:
         elif callable(obj):
             lines += [f"## `{name}{_sig(obj)}`", "", _doc(obj), ""]
         else:
-            lines += [f"## `{name}`", "", f"Constant: `{obj!r}`" if not isinstance(obj, bytes) else "Constant (bytes).", ""]
+            lines += [
+                f"## `{name}`",
+                "",
+                f"Constant: `{obj!r}`" if not isinstance(obj, bytes) else "Constant (bytes).",
+                "",
+            ]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -111,6 +111,7 @@ class EngineStats:
     releasing_blocks: int
     num_blocks: int
     forward_s: float  # time spent in forwards (worker thread)
+    load_s: float  # time spent awaiting aiokv loads, summed over requests (loads may overlap)
 
 
 @dataclass(eq=False, slots=True)
@@ -149,7 +150,8 @@ class _Seq:
         return len(self.tokens) - len(self.prompt)
 
     def result(self) -> GenerationResult:
-        assert self.finish_reason is not None and self.first_token_at is not None
+        assert self.finish_reason is not None
+        assert self.first_token_at is not None
         assert self.last_token_at is not None
         return GenerationResult(
             request_id=self.request_id,
@@ -196,7 +198,9 @@ class Engine:
         if cache.config != model.config:
             raise InvalidArgumentError("cache must be built for the model's config")
         if cache.device != model.device:
-            raise InvalidArgumentError(f"cache must be on the model's device {model.device}, got {cache.device}")
+            raise InvalidArgumentError(
+                f"cache must be on the model's device {model.device}, got {cache.device}"
+            )
         if max_num_seqs <= 0:
             raise InvalidArgumentError(f"max_num_seqs must be > 0, got {max_num_seqs}")
         if max_num_batched_tokens <= 0:
@@ -249,6 +253,7 @@ class Engine:
             0,
         )
         self._forward_s = 0.0
+        self._load_s = 0.0
 
     # ------------------------------------------------------------------ lifetime
 
@@ -309,7 +314,9 @@ class Engine:
         the token's index, so a given request samples the same tokens however it is batched or preempted.
         Cancelling the call aborts the request.
         """
-        seq = self._submit(prompt_token_ids, max_tokens, temperature, seed, eos_token_id, request_id, return_logits)
+        seq = self._submit(
+            prompt_token_ids, max_tokens, temperature, seed, eos_token_id, request_id, return_logits
+        )
         assert seq.done is not None
         try:
             return await asyncio.shield(seq.done)
@@ -349,6 +356,7 @@ class Engine:
             releasing_blocks=self._releasing_blocks,
             num_blocks=self._allocator.num_blocks,
             forward_s=self._forward_s,
+            load_s=self._load_s,
         )
 
     async def wait_idle(self) -> None:
@@ -381,7 +389,9 @@ class Engine:
     ) -> _Seq:
         if self._state != "running":
             raise ClosedError(
-                "engine is not started; use 'async with Engine(...)'" if self._state == "new" else f"engine is {self._state}"
+                "engine is not started; use 'async with Engine(...)'"
+                if self._state == "new"
+                else f"engine is {self._state}"
             )
         if self._failure is not None:
             raise self._failure
@@ -390,14 +400,18 @@ class Engine:
         if not prompt:
             raise InvalidArgumentError("prompt_token_ids must not be empty")
         if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
-            raise InvalidArgumentError(f"prompt_token_ids must be in [0, {cfg.vocab_size}), got {min(prompt)}..{max(prompt)}")
+            raise InvalidArgumentError(
+                f"prompt_token_ids must be in [0, {cfg.vocab_size}), got {min(prompt)}..{max(prompt)}"
+            )
         if max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}")
         if temperature < 0:
             raise InvalidArgumentError(f"temperature must be >= 0, got {temperature}")
         total = len(prompt) + max_tokens
         if total > cfg.max_position:
-            raise InvalidArgumentError(f"prompt length + max_tokens must be <= max_position={cfg.max_position}, got {total}")
+            raise InvalidArgumentError(
+                f"prompt length + max_tokens must be <= max_position={cfg.max_position}, got {total}"
+            )
         if -(-total // self.block_size) > self._allocator.num_blocks:
             raise InvalidArgumentError(
                 f"prompt length + max_tokens must fit in the cache's {self._allocator.num_blocks} blocks"
@@ -449,13 +463,19 @@ class Engine:
                 self._process_aborts()
                 if self._state == "closing" and not self._seqs:
                     return
+                was_starved = self._starved
                 self._admit()
                 plan = self._schedule()
                 if not plan:
+                    if was_starved and not self._starved:
+                        continue  # admission held back for a request that has since left: retry it now
                     self._notify_idle()
                     await self._wakeup.wait()
                     continue
-                chunks = [SeqChunk(s.tokens[s.num_computed : s.num_computed + n], s.num_computed, s.blocks) for s, n in plan]
+                chunks = [
+                    SeqChunk(s.tokens[s.num_computed : s.num_computed + n], s.num_computed, tuple(s.blocks))
+                    for s, n in plan
+                ]
                 samplers = [
                     (s.temperature, s.seed, s.num_output, s.return_logits)
                     if s.num_computed + n == len(s.tokens)
@@ -488,7 +508,7 @@ class Engine:
         self._notify_idle()
 
     def _notify_idle(self) -> None:
-        if not self._seqs and not self._tasks or self._failure is not None:
+        if (not self._seqs and not self._tasks) or self._failure is not None:
             for ev in self._idle_waiters:
                 ev.set()
             self._idle_waiters.clear()
@@ -499,14 +519,16 @@ class Engine:
         """Runs in the worker thread: one forward and the sampling of every request that completed."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            logits = self.model.forward(chunks, self.cache.tensors)
+            # ``.cpu()`` also waits for the device: the KV writes are complete before ``step()`` reports them
+            # to aiokv, whose copies run on their own stream.
+            logits = self.model.forward(chunks, self.cache.tensors).cpu()
             out: list[tuple[int, torch.Tensor | None] | None] = []
             for row, sampler in zip(logits, samplers, strict=True):
                 if sampler is None:
                     out.append(None)
                     continue
                 temperature, seed, index, keep = sampler
-                out.append((_sample(row, temperature, seed, index), row.detach().cpu().clone() if keep else None))
+                out.append((_sample(row, temperature, seed, index), row.clone() if keep else None))
         return out, time.perf_counter() - t0
 
     # ------------------------------------------------------------------ sync core
@@ -555,10 +577,12 @@ class Engine:
                 hit = await seq.handle.lookup()
                 n_hit = hit // self.block_size
                 if n_hit:
+                    t0 = time.perf_counter()
                     try:
                         await seq.handle.load(seq.blocks[:n_hit])
                     except AiokvError:
                         hit = 0  # the copy failed: aiokv counts nothing computed; recompute it all
+                    self._load_s += time.perf_counter() - t0
                     seq.reported = n_hit  # the blocks are in aiokv's table either way
         finally:
             self._admitting -= 1
@@ -566,7 +590,9 @@ class Engine:
         seq.num_computed = hit
         if hit and self._on_blocks is not None:
             n_hit = hit // self.block_size
-            self._on_blocks(BlockEvent("loaded", seq.request_id, tuple(seq.blocks[:n_hit]), tuple(seq.tokens[:hit])))
+            self._on_blocks(
+                BlockEvent("loaded", seq.request_id, tuple(seq.blocks[:n_hit]), tuple(seq.tokens[:hit]))
+            )
         seq.cached_tokens += hit
         self._counts["cached_tokens"] += hit
         seq.phase = Phase.RUNNING
@@ -618,7 +644,9 @@ class Engine:
         self._release(seq, "preempt")
         seq.num_computed = 0
 
-    def _apply(self, plan: list[tuple[_Seq, int]], sampled: list[tuple[int, torch.Tensor | None] | None]) -> None:
+    def _apply(
+        self, plan: list[tuple[_Seq, int]], sampled: list[tuple[int, torch.Tensor | None] | None]
+    ) -> None:
         now = time.perf_counter()
         self._counts["steps"] += 1
         for (seq, n), sample in zip(plan, sampled, strict=True):
@@ -669,7 +697,9 @@ class Engine:
         """Give ``seq``'s blocks back to the pool once aiokv says they may be reused."""
         blocks, seq.blocks, seq.reported = seq.blocks, [], 0
         if blocks and self._on_blocks is not None:
-            self._on_blocks(BlockEvent("releasing", seq.request_id, tuple(blocks), tuple(seq.tokens[: seq.num_computed])))
+            self._on_blocks(
+                BlockEvent("releasing", seq.request_id, tuple(blocks), tuple(seq.tokens[: seq.num_computed]))
+            )
         handle = seq.handle
         if handle is None:
             self._allocator.free(blocks)
@@ -681,7 +711,13 @@ class Engine:
 
     async def _release_task(self, seq: _Seq, handle: Request, how: str, blocks: list[int]) -> None:
         try:
-            await (handle.finish() if how == "finish" else handle.preempt() if how == "preempt" else handle.abort())
+            await (
+                handle.finish()
+                if how == "finish"
+                else handle.preempt()
+                if how == "preempt"
+                else handle.abort()
+            )
         except AiokvError:
             # aiokv resolves these only after its copies ended, failed or not: the blocks are free to reuse.
             self._counts["release_errors"] += 1
@@ -709,7 +745,7 @@ class Engine:
 def _sample(logits: torch.Tensor, temperature: float, seed: int, index: int) -> int:
     if temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double().cpu() / temperature, dim=-1)
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF)
     return int(torch.multinomial(probs, 1, generator=gen))
 

@@ -178,7 +178,9 @@ class Transformer:
             / math.sqrt(cfg.hidden_size)
         ).to(self.device, dt)
         # RoPE table, computed once in float64: positions index it, so no sin/cos runs per forward.
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+        )
         angles = torch.outer(torch.arange(cfg.max_position, dtype=torch.float64), inv_freq)
         self._cos = angles.cos().to(self.device, dt)
         self._sin = angles.sin().to(self.device, dt)
@@ -277,7 +279,9 @@ class Transformer:
             offset = 0
             for ch, table in zip(chunks, tables, strict=True):
                 n = len(ch.token_ids)
-                attn[offset : offset + n] = self._paged_attention(q[offset : offset + n], ch, table, k_cache, v_cache)
+                attn[offset : offset + n] = self._paged_attention(
+                    q[offset : offset + n], ch, table, k_cache, v_cache
+                )
                 offset += n
             x = x + _mm(attn, layer.o_t)
             x = x + self._mlp(layer, x)
@@ -311,7 +315,12 @@ class Transformer:
         v_ctx = F.pad(v_ctx, (0, 0, 0, 0, 0, extra))
         v_ctx[ctx:] = 0  # stale slots of the last block must not leak through 0 * nan
         # (n, heads, hd) -> (kv_heads, group * n, hd): every query row of a kv head in one matmul.
-        qg = (q * (1.0 / math.sqrt(hd))).reshape(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(kvh, group * n, hd)
+        qg = (
+            (q * (1.0 / math.sqrt(hd)))
+            .reshape(n, kvh, group, hd)
+            .permute(1, 2, 0, 3)
+            .reshape(kvh, group * n, hd)
+        )
         scores = _mm(qg, k_ctx.permute(1, 2, 0))  # (kvh, group * n, padded)
         q_pos = torch.arange(chunk.start, ctx, device=q.device).repeat(group)
         mask = torch.arange(padded, device=q.device)[None, :] > q_pos[:, None]

@@ -7,15 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import AiokvError
+from .._errors import MissingDependencyError
 from ._model import TTFT_FORMULA, format_size
 from ._sim import ReplayResult
 
-__all__ = ["PlotUnavailableError", "require_matplotlib", "results_json", "results_table", "save_plot"]
-
-
-class PlotUnavailableError(AiokvError, RuntimeError):
-    """``--plot`` was asked for but matplotlib is not installed."""
+__all__ = ["require_matplotlib", "results_json", "results_table", "save_plot", "tier_table"]
 
 
 def _pct(x: float) -> str:
@@ -82,22 +78,12 @@ def results_table(results: Sequence[ReplayResult], *, title: str | None = None) 
 
 
 def tier_table(result: ReplayResult) -> Any:
-    """Per-tier detail of one run."""
+    """Per-tier detail of one run; a tier's TTFT saving is its hit tokens' prefill time minus its load time."""
     from rich.table import Table
 
     table = Table(title=f"{result.policy}: per tier")
-    for col in (
-        "tier",
-        "capacity",
-        "blocks",
-        "hits",
-        "hit tokens",
-        "loaded",
-        "load time",
-        "stored",
-        "staged",
-        "evicted",
-    ):
+    cols = ("tier", "capacity", "blocks", "hits", "hit tokens", "loaded", "load time", "TTFT saved", "stored")
+    for col in (*cols, "staged", "evicted"):
         table.add_column(col, justify="left" if col == "tier" else "right")
     for t in result.tiers:
         table.add_row(
@@ -108,6 +94,7 @@ def tier_table(result: ReplayResult) -> Any:
             f"{t.hit_tokens:,}",
             format_size(t.loaded_bytes),
             _seconds(t.load_s),
+            _seconds(t.hit_tokens / result.prefill_tokens_per_s - t.load_s),
             format_size(t.stored_bytes),
             format_size(t.staged_bytes),
             format_size(t.evicted_bytes),
@@ -123,7 +110,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise PlotUnavailableError(
+        raise MissingDependencyError(
             "--plot needs matplotlib; install it with: pip install 'aiokv[plot]'"
         ) from None
 
@@ -149,9 +136,19 @@ def save_plot(
         tier = next(t for t in r.tiers if t.name == sweep_tier)
         cap = tier.capacity_bytes if tier.capacity_bytes is not None else r.unique_blocks * r.block_bytes
         by_policy.setdefault(r.policy, []).append((cap / 2**30, 100 * r.block_hit_ratio))
-    for policy, points in by_policy.items():
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "d")]  # identical curves stay visible
+    for i, (policy, points) in enumerate(by_policy.items()):
         points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=policy)
+        line, marker = styles[i % len(styles)]
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            linestyle=line,
+            marker=marker,
+            markersize=4,
+            markerfacecolor="none",
+            label=policy,
+        )
     if max_reuse is not None:
         ax.axhline(100 * max_reuse, color="grey", linestyle="--", linewidth=1, label="unlimited capacity")
     ax.set_xscale("log", base=2)

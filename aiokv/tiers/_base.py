@@ -18,12 +18,30 @@ Contract for implementations:
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BackingTier", "TierSpec"]
+__all__ = ["BackingTier", "TierHealth", "TierSpec"]
+
+
+class TierHealth(str, enum.Enum):
+    """Health of a persistent tier, shown in its ``stats()`` (compares equal to its value string).
+
+    - ``UP``: the last operation succeeded.
+    - ``DEGRADED``: recent operations failed (I/O error, timeout), the tier keeps trying on every call.
+    - ``DOWN``: the backend is considered gone; calls are answered locally (miss / dropped write) without
+      touching it until a backoff interval has passed, then one call probes it.
+    """
+
+    UP = "up"
+    DEGRADED = "degraded"
+    DOWN = "down"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ import struct
 import xxhash
 
 from .._errors import InvalidArgumentError
+from ._base import TierHealth
 
 __all__ = [
     "FORMAT_VERSION",
@@ -58,23 +59,6 @@ _KEY_BYTES = 32
 def checksum(data: bytes | bytearray | memoryview) -> int:
     """Payload checksum (xxh3_64)."""
     return xxhash.xxh3_64_intdigest(data)
-
-
-class TierHealth(str, enum.Enum):
-    """Health of a persistent tier, shown in its ``stats()`` (compares equal to its value string).
-
-    - ``UP``: the last operation succeeded.
-    - ``DEGRADED``: recent operations failed (I/O error, timeout), the tier keeps trying on every call.
-    - ``DOWN``: the backend is considered gone; calls are answered locally (miss / dropped write) without
-      touching it until a backoff interval has passed, then one call probes it.
-    """
-
-    UP = "up"
-    DEGRADED = "degraded"
-    DOWN = "down"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class Verdict(enum.Enum):

@@ -13,9 +13,11 @@ plain function that never awaits, so each call is atomic with respect to the eve
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .._errors import InvalidArgumentError
 from ._policies import EvictionPolicy
 
 __all__ = ["BlockIndex", "EntryState", "IndexStats"]
@@ -26,15 +28,9 @@ class EntryState(enum.Enum):
     READY = "ready"
 
 
-class _Entry:
-    __slots__ = ("depth", "parent", "pins", "slot", "state")
-
-    def __init__(self, slot: int, parent: bytes | None, depth: int) -> None:
-        self.slot = slot
-        self.state = EntryState.PENDING
-        self.pins = 0
-        self.parent = parent
-        self.depth = depth
+_FREE = 0
+_PENDING = 1
+_READY = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,15 +45,25 @@ class IndexStats:
 
 
 class BlockIndex:
-    """Maps block hashes to slots ``0..num_slots-1`` of a fixed-size tier."""
+    """Maps block hashes to slots ``0..num_slots-1`` of a fixed-size tier.
+
+    Storage is a ``key -> slot`` dict plus per-slot arrays (state, pins, parent, depth): no per-entry Python
+    object, so the index costs little memory per cached block and gives the garbage collector nothing to
+    traverse (``bench_memory.py`` measures it).
+    """
 
     __slots__ = (
-        "_entries",
+        "_depth",
         "_evictions",
         "_free",
+        "_keys",
+        "_parent",
         "_pending",
         "_pinned",
+        "_pins",
         "_rejected",
+        "_slots",
+        "_state",
         "num_slots",
         "on_evict",
         "policy",
@@ -66,9 +72,14 @@ class BlockIndex:
     def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
         self.num_slots = num_slots
         self.policy = policy
-        self._entries: dict[bytes, _Entry] = {}
+        self._slots: dict[bytes, int] = {}
+        self._keys: list[bytes | None] = [None] * num_slots
+        self._state = bytearray(num_slots)  # _FREE, _PENDING or _READY
+        self._pins = array("I", bytes(4 * num_slots))
+        self._parent: list[bytes | None] = [None] * num_slots
+        self._depth = array("I", bytes(4 * num_slots))
         # Hand out low slots first (pop from the end of a descending list): fresh tiers fill contiguously.
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free = array("I", range(num_slots - 1, -1, -1))  # 4 bytes per slot, no int objects
         self._evictions = 0
         self._rejected = 0
         self._pinned = 0
@@ -77,30 +88,33 @@ class BlockIndex:
 
     # ----------------------------------------------------------------- queries
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._slots)
 
     def __contains__(self, key: object) -> bool:
-        entry = self._entries.get(key)  # type: ignore[call-overload]
-        return entry is not None and entry.state is EntryState.READY
+        slot = self._slots.get(key)  # type: ignore[call-overload]
+        return slot is not None and self._state[slot] == _READY
 
     def state(self, key: bytes) -> EntryState | None:
-        entry = self._entries.get(key)
-        return None if entry is None else entry.state
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        return EntryState.READY if self._state[slot] == _READY else EntryState.PENDING
 
     def slot(self, key: bytes) -> int:
-        return self._entries[key].slot
+        return self._slots[key]
 
     def pins(self, key: bytes) -> int:
-        entry = self._entries.get(key)
-        return 0 if entry is None else entry.pins
+        slot = self._slots.get(key)
+        return 0 if slot is None else self._pins[slot]
 
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are READY. No side effects."""
-        entries = self._entries
+        slots = self._slots
+        state = self._state
         n = 0
         for key in keys:
-            entry = entries.get(key)
-            if entry is None or entry.state is not EntryState.READY:
+            slot = slots.get(key)
+            if slot is None or state[slot] != _READY:
                 break
             n += 1
         return n
@@ -111,41 +125,44 @@ class BlockIndex:
     # ------------------------------------------------------------ lookup / pins
     def pin_prefix(self, keys: Sequence[bytes]) -> list[int]:
         """Pin and touch the leading READY ``keys``; return their slots (the length is the hit count)."""
-        entries = self._entries
-        policy = self.policy
-        slots: list[int] = []
+        slots = self._slots
+        state = self._state
+        pins = self._pins
+        touch = self.policy.touch
+        out: list[int] = []
         for key in keys:
-            entry = entries.get(key)
-            if entry is None or entry.state is not EntryState.READY:
+            slot = slots.get(key)
+            if slot is None or state[slot] != _READY:
                 break
-            if entry.pins == 0:
+            if pins[slot] == 0:
                 self._pinned += 1
-            entry.pins += 1
-            policy.touch(key)
-            slots.append(entry.slot)
-        return slots
+            pins[slot] += 1
+            touch(key)
+            out.append(slot)
+        return out
 
     def pin(self, key: bytes) -> int:
         """Pin one READY entry (e.g. for a write-through read of its slot); return its slot."""
-        entry = self._entries[key]
-        if entry.state is not EntryState.READY:
+        slot = self._slots[key]
+        if self._state[slot] != _READY:
             raise KeyError(key)
-        if entry.pins == 0:
+        if self._pins[slot] == 0:
             self._pinned += 1
-        entry.pins += 1
-        return entry.slot
+        self._pins[slot] += 1
+        return slot
 
     def unpin(self, keys: Iterable[bytes]) -> None:
-        entries = self._entries
+        slots = self._slots
+        pins = self._pins
         for key in keys:
-            entry = entries[key]
-            assert entry.pins > 0, "unpin of an unpinned entry"
-            entry.pins -= 1
-            if entry.pins == 0:
+            slot = slots[key]
+            assert pins[slot] > 0, "unpin of an unpinned entry"
+            pins[slot] -= 1
+            if pins[slot] == 0:
                 self._pinned -= 1
 
     def touch(self, key: bytes) -> None:
-        if key in self._entries:
+        if key in self._slots:
             self.policy.touch(key)
 
     # -------------------------------------------------------------- store path
@@ -155,26 +172,31 @@ class BlockIndex:
         Returns ``None`` when ``key`` is already present (it is touched instead) or when every slot is pending
         or pinned ("no room now" is a value, not an exception).
         """
-        entries = self._entries
-        if key in entries:
-            self.policy.touch(key)
+        slots = self._slots
+        if key in slots:
+            if self._state[slots[key]] == _READY:
+                self.policy.touch(key)
             return None
         free = self._free
         if not free and not self._evict_one():
             self._rejected += 1
             return None
         slot = free.pop()
-        entries[key] = _Entry(slot, parent, depth)
+        slots[key] = slot
+        self._keys[slot] = key
+        self._state[slot] = _PENDING
+        self._parent[slot] = parent
+        self._depth[slot] = depth
         self._pending += 1
         return slot
 
     def commit(self, key: bytes) -> None:
         """PENDING -> READY: the entry's copy completed; it becomes visible and evictable."""
-        entry = self._entries[key]
-        assert entry.state is EntryState.PENDING, "commit of a non-pending entry"
-        entry.state = EntryState.READY
+        slot = self._slots[key]
+        assert self._state[slot] == _PENDING, "commit of a non-pending entry"
+        self._state[slot] = _READY
         self._pending -= 1
-        self.policy.insert(key, entry.parent, entry.depth)
+        self.policy.insert(key, self._parent[slot], self._depth[slot])
 
     def insert_ready(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> int | None:
         """reserve + commit in one call (for replay and for tiers whose writes are synchronous)."""
@@ -183,32 +205,61 @@ class BlockIndex:
             self.commit(key)
         return slot
 
+    def restore(self, entries: Iterable[tuple[bytes, int]]) -> int:
+        """Put recovered READY entries back at their own slots (a persistent tier reopening).
+
+        ``entries`` are ``(key, slot)`` pairs, oldest first: the policy sees them inserted in that order.
+        Each slot must be free and each key absent. Returns how many were restored.
+        """
+        taken: set[int] = set()
+        for key, slot in entries:
+            if not 0 <= slot < self.num_slots:
+                raise InvalidArgumentError(f"slot must be in [0, {self.num_slots}), got {slot}")
+            if self._state[slot] != _FREE or slot in taken:
+                raise InvalidArgumentError(f"slot {slot} is not free")
+            if key in self._slots:
+                raise InvalidArgumentError("key is already present")
+            self._slots[key] = slot
+            self._keys[slot] = key
+            self._state[slot] = _READY
+            self.policy.insert(key, None, 0)
+            taken.add(slot)
+        if taken:
+            self._free = array("I", [s for s in self._free if s not in taken])
+        return len(taken)
+
     def discard(self, key: bytes) -> bool:
         """Remove an entry that is not pinned (a failed copy, a corrupt read). Returns whether it was present."""
-        entry = self._entries.get(key)
-        if entry is None:
+        slot = self._slots.get(key)
+        if slot is None:
             return False
-        assert entry.pins == 0, "discard of a pinned entry"
-        del self._entries[key]
-        if entry.state is EntryState.READY:
+        assert self._pins[slot] == 0, "discard of a pinned entry"
+        if self._state[slot] == _READY:
             self.policy.remove(key, evicted=False)
         else:
             self._pending -= 1
-        self._free.append(entry.slot)
+        self._release(key, slot)
         return True
 
+    def _release(self, key: bytes, slot: int) -> None:
+        del self._slots[key]
+        self._keys[slot] = None
+        self._parent[slot] = None
+        self._state[slot] = _FREE
+        self._free.append(slot)
+
     def _evict_one(self) -> bool:
-        entries = self._entries
+        slots = self._slots
+        pins = self._pins
         victim: bytes | None = None
         for key in self.policy.candidates():
-            if entries[key].pins == 0:
+            if pins[slots[key]] == 0:
                 victim = key
                 break
         if victim is None:
             return False
-        entry = entries.pop(victim)
         self.policy.remove(victim, evicted=True)
-        self._free.append(entry.slot)
+        self._release(victim, slots[victim])
         self._evictions += 1
         if self.on_evict is not None:
             self.on_evict.append(victim)
@@ -219,14 +270,14 @@ class BlockIndex:
         """Touch the READY keys that ``keys[start:]`` leads with and return how many: a lookup that pins
         nothing, for callers that use the blocks at once (``aiokv replay``). The policy sees the same calls as
         for :meth:`pin_prefix`."""
-        entries = self._entries
+        slots = self._slots
+        state = self._state
         touch = self.policy.touch
-        ready = EntryState.READY
         n = 0
         for i in range(start, len(keys)):
             key = keys[i]
-            entry = entries.get(key)
-            if entry is None or entry.state is not ready:
+            slot = slots.get(key)
+            if slot is None or state[slot] != _READY:
                 break
             touch(key)
             n += 1
@@ -252,7 +303,7 @@ class BlockIndex:
         return IndexStats(
             num_slots=self.num_slots,
             used_slots=self.num_slots - len(self._free),
-            ready=len(self._entries) - pending,
+            ready=len(self._slots) - pending,
             pending=pending,
             pinned=self._pinned,
             evictions=self._evictions,
@@ -261,11 +312,18 @@ class BlockIndex:
 
     def check_invariants(self) -> None:
         """Expensive consistency check for tests."""
-        used = {e.slot for e in self._entries.values()}
-        assert len(used) == len(self._entries), "two entries share a slot"
+        used = set(self._slots.values())
+        assert len(used) == len(self._slots), "two entries share a slot"
         assert not used & set(self._free), "a used slot is on the free list"
         assert len(used) + len(self._free) == self.num_slots, "slot leak"
-        ready = {k for k, e in self._entries.items() if e.state is EntryState.READY}
+        for key, slot in self._slots.items():
+            assert self._keys[slot] == key, "slot table out of sync"
+            assert self._state[slot] in (_PENDING, _READY)
+        for slot in self._free:
+            assert self._state[slot] == _FREE
+            assert self._pins[slot] == 0
+            assert self._keys[slot] is None
+        ready = {k for k, slot in self._slots.items() if self._state[slot] == _READY}
         assert set(self.policy.candidates()) == ready, "policy out of sync with ready entries"
-        assert self._pinned == sum(1 for e in self._entries.values() if e.pins > 0)
-        assert self._pending == len(self._entries) - len(ready)
+        assert self._pinned == sum(1 for slot in self._slots.values() if self._pins[slot] > 0)
+        assert self._pending == len(self._slots) - len(ready)

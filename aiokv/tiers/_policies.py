@@ -388,6 +388,7 @@ def register_policy(name: str, factory: Callable[[int], EvictionPolicy]) -> None
 
 
 def policy_names() -> list[str]:
+    """The registered policy names, sorted: ``["arc", "chain-lru", "lru", ...]``."""
     return sorted(_REGISTRY)
 
 

@@ -29,14 +29,19 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import parse_url
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ResponseError
+try:  # redis is an optional extra (aiokv[redis]): importing aiokv must work without it
+    from redis.asyncio import BlockingConnectionPool, Redis
+    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.connection import parse_url
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ResponseError
 
-from .._errors import ClosedError, InvalidArgumentError, InvalidTypeError
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    _IMPORT_ERROR = exc
+
+from .._errors import ClosedError, InvalidArgumentError, InvalidTypeError, MissingDependencyError
 from ._base import BackingTier, TierSpec
 from ._format import HEADER_SIZE, TierHealth, Verdict, check_entry, pack_header
 
@@ -199,6 +204,10 @@ class RedisTier(BackingTier):
         backoff_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if _IMPORT_ERROR is not None:
+            raise MissingDependencyError(
+                f"RedisTier needs the redis extra: pip install 'aiokv[redis]' ({_IMPORT_ERROR})"
+            )
         if not isinstance(url, str):
             raise InvalidTypeError(f"url must be a str, got {type(url).__name__}")
         if ssl and url.startswith("redis://"):
@@ -246,6 +255,8 @@ class RedisTier(BackingTier):
         self._clock = clock
         self._breaker = _Breaker(failures_to_down, float(backoff_s), float(backoff_max_s), clock)
         self._client: Redis | RedisCluster | None = None
+        self._buffers: list[bytearray] = []  # reusable value buffers (header + payload), see write()
+        self._keep_buffers = 0
         self._spec: TierSpec | None = None
         self._prefix = b""
         self._opened = False
@@ -293,6 +304,7 @@ class RedisTier(BackingTier):
             raise InvalidArgumentError(f"spec.fingerprint must be 32 bytes, got {len(spec.fingerprint)}")
         self._spec = spec
         self._prefix = f"{self.namespace}:{spec.fingerprint[:8].hex()}:".encode()
+        self._keep_buffers = self._batch_len()
         if self.cluster:
             self._client = RedisCluster.from_url(
                 self.url, max_connections=self._max_connections, **self._client_kwargs
@@ -364,11 +376,29 @@ class RedisTier(BackingTier):
             breaker.abandoned(probe)
             raise
         except TimeoutError as exc:  # redis' TimeoutError is not a builtin TimeoutError subclass
-            return self._failed(exc, probe, timeout=True)
+            failure = self._failed(exc, probe, timeout=True)
         except Exception as exc:  # any failure of the backend is a miss, never an error
-            return self._failed(exc, probe, timeout="Timeout" in type(exc).__name__)
-        breaker.success()
-        return result
+            failure = self._failed(exc, probe, timeout="Timeout" in type(exc).__name__)
+        else:
+            breaker.success()
+            return result
+        await self._drop_idle_connections(client)
+        return failure
+
+    async def _drop_idle_connections(self, client: Redis | RedisCluster) -> None:
+        """After a failure the pooled idle connections are suspect (a restarted server leaves them half
+        closed): close them so that the next call, the probe in particular, connects afresh."""
+        try:
+            async with _timeout_at(_now() + self.timeout_s):
+                if isinstance(client, RedisCluster):
+                    await asyncio.gather(
+                        *(node.disconnect_free_connections() for node in client.get_nodes()),
+                        return_exceptions=True,
+                    )
+                else:
+                    await client.connection_pool.disconnect(inuse_connections=False)
+        except Exception:  # closing sockets of a dead server may fail in many ways; they are gone anyway
+            pass
 
     def _failed(self, exc: BaseException, probe: bool, *, timeout: bool) -> _Failed:
         self._c["timeouts" if timeout else "errors"] += 1
@@ -408,6 +438,8 @@ class RedisTier(BackingTier):
     async def read_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
         _, spec = self._live()
         _check_buffers("outs", keys, outs, spec.payload_bytes)
+        if not keys:
+            return 0
         self._c["reads"] += 1
         deadline = _now() + self.timeout_s
         ttl = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
@@ -475,17 +507,26 @@ class RedisTier(BackingTier):
         deadline = _now() + self.timeout_s
         ttl = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
         step = self._batch_len()
+        entry = HEADER_SIZE + spec.payload_bytes
         stored = 0
         start = 0
         while start < len(keys):
-            # The values are built (payloads copied) before the round trip: nothing references the caller's
-            # buffers once this loop iteration awaits, so a cancelled write never reads a recycled slot.
-            items = [
-                (self.redis_key(k), b"".join((pack_header(k, spec.fingerprint, p), p)))
-                for k, p in zip(keys[start : start + step], payloads[start : start + step], strict=True)
-            ]
+            # Values are built (payloads copied) before the round trip: nothing references the caller's buffers
+            # once this iteration awaits, so a cancelled write never reads a recycled slot. Reused buffers avoid
+            # page-faulting a fresh allocation per value (the dominant cost of building large values).
+            bufs: list[bytearray] = []
+            items: list[tuple[bytes, memoryview]] = []
+            for k, p in zip(keys[start : start + step], payloads[start : start + step], strict=True):
+                buf = self._buffers.pop() if self._buffers else bytearray(entry)
+                value = memoryview(buf)
+                value[:HEADER_SIZE] = pack_header(k, spec.fingerprint, p)
+                value[HEADER_SIZE:] = _as_bytes(p)
+                bufs.append(buf)
+                items.append((self.redis_key(k), value))
 
-            async def op(client: Redis | RedisCluster, items: list[tuple[bytes, bytes]] = items) -> list[Any]:
+            async def op(
+                client: Redis | RedisCluster, items: list[tuple[bytes, memoryview]] = items
+            ) -> list[Any]:
                 pipe = client.pipeline(transaction=False)
                 for rkey, value in items:
                     pipe.set(rkey, value, px=ttl)
@@ -493,7 +534,7 @@ class RedisTier(BackingTier):
 
             result = await self._call(op, deadline)
             if isinstance(result, _Failed):
-                break
+                break  # the buffers may still be referenced by a closing connection: let them go
             for reply in result:
                 if isinstance(reply, ResponseError):
                     self._c["rejected"] += 1
@@ -501,6 +542,9 @@ class RedisTier(BackingTier):
                 elif reply:
                     stored += 1
             start += len(items)
+            del items
+            # The server answered, so every byte was sent: the buffers can be reused.
+            self._buffers.extend(bufs[: max(0, self._keep_buffers - len(self._buffers))])
         self._c["stored_blocks"] += stored
         self._c["stored_bytes"] += stored * spec.payload_bytes
         self._c["dropped"] += len(keys) - stored
@@ -536,3 +580,5 @@ def _check_buffers(name: str, keys: Sequence[bytes], bufs: Sequence[memoryview],
             raise InvalidArgumentError(
                 f"{name}[{i}] must be payload_bytes={payload_bytes} bytes long, got {buf.nbytes}"
             )
+        if not buf.c_contiguous:
+            raise InvalidArgumentError(f"{name}[{i}] must be a C-contiguous buffer")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,46 +17,78 @@ from aiokv.engine import Engine, EngineStats, PagedKVCache, Transformer
 from ._workload import KVRecorder, chat
 from .conftest import TINY
 
+STALL_S = 60.0
+"""A workload takes well under a second; this guard turns a scheduler stall into a failure, not a hang."""
+
 
 def _offloader(cache: PagedKVCache) -> aiokv.Offloader:
     return aiokv.Offloader(cache.layout(), tiers=[aiokv.CPUTier(capacity_bytes=32 << 20)], eviction="lru")
 
 
 def _assert_accounting(stats: EngineStats) -> None:
-    assert stats.admitted_tokens == stats.cached_tokens + stats.prefill_tokens + stats.abandoned_prefill_tokens
+    assert (
+        stats.admitted_tokens == stats.cached_tokens + stats.prefill_tokens + stats.abandoned_prefill_tokens
+    )
     assert stats.forward_tokens == stats.prefill_tokens + stats.decode_tokens
     assert stats.free_blocks == stats.num_blocks
     assert stats.releasing_blocks == stats.waiting == stats.running == stats.admitting == 0
 
 
 async def _run(
-    model: Transformer, num_blocks: int, *, offload: bool, recorder: bool = True, **workload: Any
+    model: Transformer,
+    num_blocks: int,
+    *,
+    offload: bool,
+    recorder: bool = True,
+    budget: int = 64,
+    **workload: Any,
 ) -> tuple[dict[str, Any], EngineStats, aiokv.OffloaderStats | None, KVRecorder]:
     cache = PagedKVCache(model.config, num_blocks)
     rec = KVRecorder(cache)
     hook = rec if recorder else None
     if not offload:
-        async with Engine(model, cache, max_num_batched_tokens=64, on_blocks=hook) as engine:
-            results = await chat(engine, **workload)
+        async with Engine(model, cache, max_num_batched_tokens=budget, on_blocks=hook) as engine:
+            results = await asyncio.wait_for(chat(engine, **workload), STALL_S)
             await engine.wait_idle()
             return results, engine.stats(), None, rec
-    async with _offloader(cache) as off, Engine(model, cache, offloader=off, max_num_batched_tokens=64, on_blocks=hook) as engine:
-        results = await chat(engine, **workload)
+    async with (
+        _offloader(cache) as off,
+        Engine(model, cache, offloader=off, max_num_batched_tokens=budget, on_blocks=hook) as engine,
+    ):
+        results = await asyncio.wait_for(chat(engine, **workload), STALL_S)
         await engine.wait_idle()
         return results, engine.stats(), off.stats(), rec
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("seed", "temperature"), [(0, 0.0), (1, 0.0), (2, 0.8)])
+@pytest.mark.parametrize(
+    ("seed", "sessions", "num_blocks", "temperature", "budget"),
+    [
+        (0, 4, 20, 0.0, 64),
+        (1, 4, 20, 0.0, 64),
+        (2, 4, 20, 0.8, 64),
+        (2, 6, 20, 0.0, 64),
+        (3, 6, 28, 0.8, 64),
+        (4, 6, 20, 0.8, 64),
+        (5, 4, 20, 0.0, 17),
+    ],
+)
 async def test_offload_matches_recompute_across_multi_turn_workloads_with_preemption(
-    tiny_model: Transformer, seed: int, temperature: float
+    tiny_model: Transformer, seed: int, sessions: int, num_blocks: int, temperature: float, budget: int
 ) -> None:
-    """Four concurrent 3-turn chats on a 20-block pool (each context grows to ~12 blocks): requests are
+    """Concurrent 3-turn chats on a 20- or 28-block pool (each context grows to ~12 blocks): requests are
     preempted and their prefixes leave the engine and come back from the CPU tier. Tokens, last logits and
-    restored KV bytes must all be bitwise those of the recompute run."""
-    workload = dict(sessions=4, turns=3, seed=seed, temperature=temperature)
-    cold, cold_stats, _, cold_kv = await _run(tiny_model, 20, offload=False, **workload)
-    warm, warm_stats, off_stats, warm_kv = await _run(tiny_model, 20, offload=True, **workload)
+    restored KV bytes must all be bitwise those of the recompute run.
+
+    (2, 6, 20) is also the regression test for a stall: admission held back while a running request was
+    short of blocks was never retried once that request left, with nothing left to wake the loop."""
+    workload = dict(sessions=sessions, turns=3, seed=seed, temperature=temperature)
+    cold, cold_stats, _, cold_kv = await _run(
+        tiny_model, num_blocks, offload=False, budget=budget, **workload
+    )
+    warm, warm_stats, off_stats, warm_kv = await _run(
+        tiny_model, num_blocks, offload=True, budget=budget, **workload
+    )
     assert off_stats is not None
 
     assert cold.keys() == warm.keys()
@@ -64,7 +98,8 @@ async def test_offload_matches_recompute_across_multi_turn_workloads_with_preemp
         # Bitwise on CPU (the forward is batch invariant); the stated fp32 tolerance elsewhere is 0.
         assert torch.equal(w.last_logits, c.last_logits), rid
 
-    assert cold_stats.preemptions > 0 and warm_stats.preemptions > 0
+    assert cold_stats.preemptions > 0
+    assert warm_stats.preemptions > 0
     assert cold_stats.cached_tokens == 0
     assert warm_stats.cached_tokens > 0
     assert warm_stats.cached_tokens == off_stats.hit_tokens == sum(r.cached_tokens for r in warm.values())
@@ -73,7 +108,10 @@ async def test_offload_matches_recompute_across_multi_turn_workloads_with_preemp
     _assert_accounting(warm_stats)
     # Prefill actually computed is what was admitted minus exactly what was restored (and what preemption
     # cut short); the recompute run restores nothing.
-    assert warm_stats.prefill_tokens == warm_stats.admitted_tokens - warm_stats.cached_tokens - warm_stats.abandoned_prefill_tokens
+    assert (
+        warm_stats.prefill_tokens
+        == warm_stats.admitted_tokens - warm_stats.cached_tokens - warm_stats.abandoned_prefill_tokens
+    )
 
     # Every restored prefix holds bitwise the KV the recompute run computed for the same positions.
     assert warm_kv.loaded
@@ -96,7 +134,11 @@ async def test_prefill_computed_drops_by_exactly_the_hit_count(tiny_model: Trans
     assert cold_stats.preemptions == warm_stats.preemptions == 0
     assert [r.output_token_ids for r in warm.values()] == [r.output_token_ids for r in cold.values()]
     assert off_stats.hit_tokens > 0
-    assert cold_stats.prefill_tokens - warm_stats.prefill_tokens == off_stats.hit_tokens == warm_stats.cached_tokens
+    assert (
+        cold_stats.prefill_tokens - warm_stats.prefill_tokens
+        == off_stats.hit_tokens
+        == warm_stats.cached_tokens
+    )
     assert cold_stats.decode_tokens == warm_stats.decode_tokens
     assert cold_stats.forward_tokens - warm_stats.forward_tokens == off_stats.hit_tokens
 
@@ -109,7 +151,9 @@ async def test_preempted_request_resumes_through_lookup_and_load(tiny_model: Tra
 
     async def run(off: Any, cache: PagedKVCache) -> list[Any]:
         async with Engine(tiny_model, cache, offloader=off) as engine:
-            out = await asyncio.gather(*(engine.generate(p, max_tokens=40, return_logits=True) for p in prompts))
+            out = await asyncio.gather(
+                *(engine.generate(p, max_tokens=40, return_logits=True) for p in prompts)
+            )
             await engine.wait_idle()
             assert engine.stats().preemptions >= 1
             return out
@@ -232,7 +276,10 @@ async def test_seeded_sampling_does_not_depend_on_batching(tiny_model: Transform
         alone = await engine.generate(prompt, max_tokens=12, temperature=1.0, seed=5)
         batched = await asyncio.gather(
             engine.generate(prompt, max_tokens=12, temperature=1.0, seed=5),
-            *(engine.generate(list(range(i, i + 30)), max_tokens=8, temperature=1.0, seed=i) for i in range(3)),
+            *(
+                engine.generate(list(range(i, i + 30)), max_tokens=8, temperature=1.0, seed=i)
+                for i in range(3)
+            ),
         )
         other_seed = await engine.generate(prompt, max_tokens=12, temperature=1.0, seed=6)
     assert batched[0].output_token_ids == alone.output_token_ids
@@ -275,7 +322,9 @@ async def test_aclose_fails_in_flight_requests_and_is_idempotent(tiny_model: Tra
     async with _offloader(cache) as off:
         engine = Engine(tiny_model, cache, offloader=off)
         await engine.start()
-        tasks = [asyncio.create_task(engine.generate(list(range(i, i + 40)), max_tokens=200)) for i in range(2)]
+        tasks = [
+            asyncio.create_task(engine.generate(list(range(i, i + 40)), max_tokens=200)) for i in range(2)
+        ]
         await asyncio.sleep(0)
         await engine.aclose()
         await engine.aclose()
@@ -290,9 +339,71 @@ async def test_aclose_fails_in_flight_requests_and_is_idempotent(tiny_model: Tra
 @pytest.mark.asyncio
 async def test_generate_rejects_what_cannot_fit(tiny_model: Transformer) -> None:
     async with Engine(tiny_model, PagedKVCache(TINY, 4)) as engine:
-        with pytest.raises(aiokv.InvalidArgumentError, match="must fit in the cache's 4 blocks of 16 tokens, got 70"):
+        with pytest.raises(
+            aiokv.InvalidArgumentError, match="must fit in the cache's 4 blocks of 16 tokens, got 70"
+        ):
             await engine.generate(list(range(60)), max_tokens=10)
         with pytest.raises(aiokv.InvalidArgumentError, match="max_tokens must be > 0, got 0"):
             await engine.generate([1], max_tokens=0)
         with pytest.raises(aiokv.InvalidArgumentError, match=r"prompt_token_ids must be in \[0, 256\)"):
             await engine.generate([256])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("seed", range(3))
+async def test_random_aborts_leak_nothing_and_the_rest_match_recompute(
+    tiny_model: Transformer, seed: int
+) -> None:
+    """Ten requests on a 20-block pool with a 32-token step budget; four are streams left after a seeded
+    number of tokens (0 = before the first token is read) and two are generate() calls cancelled when a
+    stream reaches its cut. Afterwards every block is free and aiokv holds no request; every survivor and
+    every abandoned stream's prefix match a recompute engine serving each prompt alone."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(10, 120))] for _ in range(10)]
+    max_tokens = [rng.randint(5, 40) for _ in prompts]
+    streamed, cancelled = rng.sample(range(10), 6)[:4], set()
+    cuts = {i: rng.randint(0, max_tokens[i] - 1) for i in streamed}
+
+    async with Engine(tiny_model, PagedKVCache(TINY, 20)) as ref_engine:
+        expected = [
+            (await ref_engine.generate(p, max_tokens=m)).output_token_ids
+            for p, m in zip(prompts, max_tokens, strict=True)
+        ]
+
+    cache = PagedKVCache(TINY, 20)
+    async with (
+        _offloader(cache) as off,
+        Engine(tiny_model, cache, offloader=off, max_num_batched_tokens=32) as engine,
+    ):
+        plain = [i for i in range(10) if i not in cuts]
+        tasks = {i: asyncio.create_task(engine.generate(prompts[i], max_tokens=max_tokens[i])) for i in plain}
+        to_cancel = [tasks[i] for i in rng.sample(plain, 2)]
+
+        async def stream(i: int) -> tuple[int, ...]:
+            got: list[int] = []
+            async with engine.stream(prompts[i], max_tokens=max_tokens[i]) as tokens:
+                async for t in tokens:
+                    got.append(t)
+                    if len(got) > cuts[i]:
+                        break
+            if to_cancel:
+                victim = to_cancel.pop()
+                victim.cancel()
+                cancelled.add(victim)
+            return tuple(got)
+
+        prefixes = await asyncio.gather(*(stream(i) for i in cuts))
+        for i, task in tasks.items():
+            if task in cancelled:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            else:
+                assert (await task).output_token_ids == expected[i]
+        for i, prefix in zip(cuts, prefixes, strict=True):
+            assert prefix == expected[i][: len(prefix)]
+        await engine.wait_idle()
+        stats = engine.stats()
+        assert stats.free_blocks == 20
+        assert stats.aborted >= len(cuts) - sum(cuts[i] + 1 >= max_tokens[i] for i in cuts)
+        assert off.stats().requests_open == 0
+        assert off.stats().in_flight == 0

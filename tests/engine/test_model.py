@@ -38,7 +38,9 @@ def _prefill(
             chunks = [SeqChunk(tokens[pos : pos + n], pos, table)]
             if rng is not None and rng.random() < 0.5:
                 other = _tokens(rng.randrange(1, 40), rng.randrange(1 << 30))
-                chunks.insert(rng.randrange(2), SeqChunk(other, 0, [cache.num_blocks - 3 + i for i in range(3)]))
+                chunks.insert(
+                    rng.randrange(2), SeqChunk(other, 0, [cache.num_blocks - 3 + i for i in range(3)])
+                )
             logits = model.forward(chunks, cache.tensors, all_logits=True)
             offset = 0
             for ch in chunks:
@@ -101,7 +103,9 @@ def test_paged_forward_is_bitwise_independent_of_chunking_batching_and_blocks(
 
 def test_forward_rejects_a_short_block_table(tiny_model: Transformer) -> None:
     cache = PagedKVCache(TINY, num_blocks=4)
-    with pytest.raises(aiokv.InvalidArgumentError, match=r"block_table must cover 17 positions \(2 blocks\), got 1"):
+    with pytest.raises(
+        aiokv.InvalidArgumentError, match=r"block_table must cover 17 positions \(2 blocks\), got 1"
+    ):
         tiny_model.forward([SeqChunk(_tokens(17, 0), 0, [0])], cache.tensors)
 
 
@@ -134,7 +138,9 @@ def test_cache_has_the_vllm_layout_and_an_aiokv_layout() -> None:
     layout = cache.layout()
     assert layout.num_blocks == 10
     assert layout.slot_bytes == 16 * TINY.bytes_per_token
-    with pytest.raises(aiokv.InvalidArgumentError, match="block_size must be a positive power of two, got 12"):
+    with pytest.raises(
+        aiokv.InvalidArgumentError, match="block_size must be a positive power of two, got 12"
+    ):
         PagedKVCache(TINY, num_blocks=10, block_size=12)
 
 

@@ -7,6 +7,7 @@ Both skip (with the reason) only when the ``redis-server`` binary is absent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -72,7 +73,9 @@ class RedisServer:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not _ping(self.port):  # bounded poll for readiness
             if self.proc.poll() is not None:
-                log = (self.workdir / "redis.log").read_text() if (self.workdir / "redis.log").exists() else ""
+                log = (
+                    (self.workdir / "redis.log").read_text() if (self.workdir / "redis.log").exists() else ""
+                )
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log[-2000:]}")
             if time.monotonic() > deadline:
                 self.kill()
@@ -105,10 +108,8 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
             self.proc.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
 
 

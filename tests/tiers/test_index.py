@@ -153,6 +153,52 @@ def test_insert_ready_is_reserve_plus_commit(policy: str) -> None:
     index.check_invariants()
 
 
+def test_touch_prefix_counts_the_ready_run_from_start_and_pins_nothing(policy: str) -> None:
+    index = BlockIndex(8, make_policy(policy, 8))
+    chain = [k("a"), k("b"), k("c"), k("d")]
+    store(index, chain[:3])
+    index.reserve(k("d"), k("c"), 3)  # pending: invisible
+    assert index.touch_prefix(chain) == 3
+    assert index.touch_prefix(chain, 1) == 2
+    assert index.touch_prefix(chain, 3) == 0
+    assert index.touch_prefix([k("x"), *chain]) == 0
+    assert index.stats().pinned == 0
+    index.check_invariants()
+
+
+def test_touch_prefix_refreshes_like_pin_prefix() -> None:
+    index = BlockIndex(3, make_policy("lru", 3))
+    index.on_evict = []
+    store(index, [k("a")])
+    store(index, [k("b")])
+    store(index, [k("c")])
+    assert index.touch_prefix([k("a")]) == 1
+    store(index, [k("d")])
+    assert index.on_evict == [k("b")]
+
+
+def test_insert_chain_links_parents_and_counts_new_keys(policy: str) -> None:
+    index = BlockIndex(8, make_policy(policy, 8))
+    chain = [k("a"), k("b"), k("c")]
+    assert index.insert_chain(chain) == 3
+    assert all(key in index for key in chain)
+    assert index.insert_chain([*chain, k("d")], 1) == 1  # b, c touched; d inserted with parent c
+    assert index.insert_chain(chain) == 0
+    if policy == "chain-lru":
+        assert next(index.policy.candidates()) == k("d")  # the only leaf
+    index.check_invariants()
+
+
+def test_insert_chain_skips_keys_that_find_no_room(policy: str) -> None:
+    index = BlockIndex(2, make_policy(policy, 2))
+    index.reserve(k("p"))  # pending: cannot be evicted
+    store(index, [k("q")])
+    index.pin_prefix([k("q")])
+    assert index.insert_chain([k("a"), k("b")]) == 0
+    assert index.stats().rejected == 2
+    index.check_invariants()
+
+
 # ------------------------------------------------------------------------------------- state machine
 CHAIN_PARENT: dict[bytes, bytes | None] = {}
 CHAIN_DEPTH: dict[bytes, int] = {}
@@ -283,6 +329,32 @@ class IndexMachine(RuleBasedStateMachine):
         assert (slot is None) == (key in self.model)
         if slot is not None:  # a present key (pending or ready) is only touched
             self.model[key] = _Modeled(EntryState.READY)
+
+    @rule(key=st.sampled_from(KEYS))
+    def touch_prefix(self, key: bytes) -> None:
+        chain = chain_of(key)
+        assert self.index.touch_prefix(chain) == self._leading_ready(chain)
+
+    @rule(key=st.sampled_from(KEYS), start=st.integers(0, 3))
+    def insert_chain(self, key: bytes, start: int) -> None:
+        assert self.index.on_evict is not None
+        chain = chain_of(key)
+        start = min(start, len(chain))
+        inserted = 0
+        for i in range(start, len(chain)):  # one reserve at a time, each checked like the reserve rule
+            before = len(self.index.on_evict)
+            present = chain[i] in self.model
+            evictable = any(e.state is EntryState.READY and e.pins == 0 for e in self.model.values())
+            full = len(self.model) == self.num_slots
+            got = self.index.insert_chain(chain[: i + 1], i)
+            self._apply_evictions(before)
+            if present or (full and not evictable):
+                assert got == 0
+            else:
+                assert got == 1
+                self.model[chain[i]] = _Modeled(EntryState.READY)
+            inserted += got
+        assert inserted <= len(chain) - start
 
     @invariant()
     def agrees_with_model(self) -> None:

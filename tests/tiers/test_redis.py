@@ -20,7 +20,6 @@ from aiokv.tiers._base import TierSpec
 from aiokv.tiers._format import HEADER_SIZE, TierHealth, pack_header
 from aiokv.tiers._redis import RedisTier
 
-
 PB = 4096
 FP = hashlib.sha256(b"layout-a").digest()
 RunPy = Callable[..., subprocess.CompletedProcess[str]]
@@ -76,7 +75,12 @@ async def test_write_lookup_read_round_trip_is_byte_identical(redis_server: Any,
     assert await tier.read_into(keys, outs) == 6
     assert [bytes(o) for o in outs[:6]] == [bytes(d) for d in data[:6]]
     stats = tier.stats()
-    assert (stats.health, stats.stored_blocks, stats.read_blocks, stats.read_misses) == (TierHealth.UP, 6, 6, 1)
+    assert (stats.health, stats.stored_blocks, stats.read_blocks, stats.read_misses) == (
+        TierHealth.UP,
+        6,
+        6,
+        1,
+    )
     assert (stats.corrupt, stats.errors, stats.timeouts, stats.dropped) == (0, 0, 0, 0)
     await tier.aclose()
     await tier.aclose()
@@ -155,7 +159,9 @@ async def test_foreign_or_corrupt_values_miss_and_are_deleted(
 @pytest.mark.asyncio
 async def test_other_layouts_use_other_keys(redis_server: Any, namespace: str) -> None:
     a = await open_tier(redis_server.url, namespace)
-    b = await open_tier(redis_server.url, namespace, spec=make_spec(fingerprint=hashlib.sha256(b"b").digest()))
+    b = await open_tier(
+        redis_server.url, namespace, spec=make_spec(fingerprint=hashlib.sha256(b"b").digest())
+    )
     keys = make_keys(2)
     assert await a.write(keys, make_payloads(2)) == 2
     assert await b.lookup(keys) == 0
@@ -359,6 +365,35 @@ def test_bad_arguments_are_rejected() -> None:
 @pytest.mark.asyncio
 async def test_wrong_buffer_sizes_are_rejected(redis_server: Any, namespace: str) -> None:
     tier = await open_tier(redis_server.url, namespace)
-    with pytest.raises(InvalidArgumentError, match=r"payloads\[0\] must be payload_bytes=4096 bytes long, got 3"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"payloads\[0\] must be payload_bytes=4096 bytes long, got 3"
+    ):
         await tier.write(make_keys(1), [memoryview(bytearray(3))])
     await tier.aclose()
+
+
+def test_breaker_counts_only_the_probe_against_the_backoff() -> None:
+    """Calls already in flight when the server is declared down must not push the next probe further out."""
+    from aiokv.tiers._redis import _Breaker
+
+    clock = FakeClock()
+    breaker = _Breaker(failures_to_down=2, backoff_s=1, backoff_max_s=8, clock=clock)
+    assert breaker.allow() is False
+    breaker.failure(probe=False)
+    assert breaker.state == TierHealth.DEGRADED
+    breaker.failure(probe=False)
+    assert breaker.state == TierHealth.DOWN
+    breaker.failure(probe=False)  # a straggler
+    assert (breaker.backoff, breaker.retry_at) == (1, clock.now + 1)
+    assert breaker.allow() is None
+    clock.now += 1
+    assert breaker.allow() is True  # the probe
+    assert breaker.allow() is None  # only one at a time
+    breaker.abandoned(probe=True)  # cancelled: the next call may probe
+    assert breaker.allow() is True
+    breaker.failure(probe=True)
+    assert (breaker.backoff, breaker.retry_at) == (2, clock.now + 2)
+    clock.now += 2
+    assert breaker.allow() is True
+    breaker.success()
+    assert (breaker.state, breaker.backoff, breaker.reconnects, breaker.failures) == (TierHealth.UP, 1, 1, 0)
