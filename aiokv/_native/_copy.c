@@ -14,38 +14,41 @@
 #define AIOKV_HAVE_SSE2 1
 #endif
 
-/* Segments at least this long are copied with non-temporal (streaming) stores: the destination is not read
- * again soon, and streaming avoids the read-for-ownership of every destination cache line, which is what
- * makes glibc's large contiguous memcpy faster than a loop of medium-sized memcpys. */
-#define NT_THRESHOLD 4096
+/* Large batches are copied with non-temporal (streaming) stores: the destination is not read again soon,
+ * and streaming avoids the read-for-ownership of every destination cache line -- which is what makes glibc's
+ * large contiguous memcpy (it streams above ~3/4 of the L3) beat a loop of medium-sized memcpys. Small
+ * batches stay in cache and use plain memcpy. */
+#define STREAM_MIN_BATCH ((size_t)4 << 20)
+/* With group > 1, up to `group` merged runs are copied round-robin in `chunk`-byte slices (prefetching two
+ * slices ahead), so several independent read streams are in flight at once: gathering scattered 16 KiB
+ * segments is latency-bound, and one stream at a time leaves the memory system idle between them. Scattered
+ * *writes* prefer group=1 (interleaved streaming stores thrash the write-combining buffers). Measured in
+ * benchmarks/bench_copy.py; chosen by the executor per direction. */
+#define MAX_GROUP 16
 
-static void copy_run(char *dst, const char *src, size_t n) {
+static void copy_stream(char *dst, const char *src, size_t n) {
 #ifdef AIOKV_HAVE_SSE2
-    if (n >= NT_THRESHOLD) {
-        /* Align the destination to 16 bytes with a short memcpy head. */
-        size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-        if (head) {
-            memcpy(dst, src, head);
-            dst += head; src += head; n -= head;
-        }
-        size_t blocks = n / 64;
-        for (size_t i = 0; i < blocks; i++) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(src + 0));
-            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-            _mm_stream_si128((__m128i *)(dst + 0), a);
-            _mm_stream_si128((__m128i *)(dst + 16), b);
-            _mm_stream_si128((__m128i *)(dst + 32), c);
-            _mm_stream_si128((__m128i *)(dst + 48), d);
-            src += 64; dst += 64;
-        }
-        n -= blocks * 64;
-        if (n) memcpy(dst, src, n);
-        return;
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n) head = n;
+    if (head) {
+        memcpy(dst, src, head);
+        dst += head; src += head; n -= head;
     }
-#endif
+    size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), e);
+    }
+    if (n > body) memcpy(dst + body, src + body, n - body);
+#else
     memcpy(dst, src, n);
+#endif
 }
 
 static int get_i64(PyObject *obj, Py_buffer *view, const char *name) {
@@ -63,7 +66,17 @@ static int get_i64(PyObject *obj, Py_buffer *view, const char *name) {
 static PyObject *copy_segments(PyObject *self, PyObject *args) {
     PyObject *dst_obj, *src_obj, *len_obj;
     Py_buffer dst, src, len;
-    if (!PyArg_ParseTuple(args, "OOO", &dst_obj, &src_obj, &len_obj)) return NULL;
+    int group = 1;
+    Py_ssize_t chunk = 512;
+    if (!PyArg_ParseTuple(args, "OOO|in", &dst_obj, &src_obj, &len_obj, &group, &chunk)) return NULL;
+    if (group < 1 || group > MAX_GROUP) {
+        PyErr_Format(PyExc_ValueError, "group must be in [1, %d], got %d", MAX_GROUP, group);
+        return NULL;
+    }
+    if (chunk < 64) {
+        PyErr_Format(PyExc_ValueError, "chunk must be >= 64, got %zd", chunk);
+        return NULL;
+    }
     if (get_i64(dst_obj, &dst, "dst_addrs") < 0) return NULL;
     if (get_i64(src_obj, &src, "src_addrs") < 0) { PyBuffer_Release(&dst); return NULL; }
     if (get_i64(len_obj, &len, "nbytes") < 0) { PyBuffer_Release(&dst); PyBuffer_Release(&src); return NULL; }
@@ -81,29 +94,53 @@ static PyObject *copy_segments(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
+    size_t total = 0;
+    for (Py_ssize_t k = 0; k < n; k++) total += (size_t)l[k];
+    int stream = total >= STREAM_MIN_BATCH;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t i = 0;
     while (i < n) {
-        char *dp = (char *)(intptr_t)d[i];
-        const char *sp = (const char *)(intptr_t)s[i];
-        size_t run = (size_t)l[i];
-        Py_ssize_t j = i + 1;
-        while (j < n && (char *)(intptr_t)d[j] == dp + run && (const char *)(intptr_t)s[j] == sp + run) {
-            run += (size_t)l[j];
-            j++;
+        char *dps[MAX_GROUP];
+        const char *sps[MAX_GROUP];
+        size_t runs[MAX_GROUP];
+        int g = 0;
+        size_t maxrun = 0;
+        while (g < group && i < n) {
+            /* Merge segments that are adjacent on both sides into one run. */
+            char *dp = (char *)(intptr_t)d[i];
+            const char *sp = (const char *)(intptr_t)s[i];
+            size_t run = (size_t)l[i];
+            Py_ssize_t j = i + 1;
+            while (j < n && (char *)(intptr_t)d[j] == dp + run && (const char *)(intptr_t)s[j] == sp + run) {
+                run += (size_t)l[j];
+                j++;
+            }
+            dps[g] = dp; sps[g] = sp; runs[g] = run; g++;
+            if (run > maxrun) maxrun = run;
+            i = j;
         }
-        if (j < n) {
-            /* Warm the start of the next source segment while this one copies: scattered small reads are
-             * latency-bound, and the hardware prefetcher only ramps up within a page. */
-            const char *np_ = (const char *)(intptr_t)s[j];
-            size_t pf = (size_t)l[j] < 4096 ? (size_t)l[j] : 4096;
-            for (size_t k = 0; k < pf; k += 64) __builtin_prefetch(np_ + k, 0, 0);
+        if (!stream) {
+            for (int k = 0; k < g; k++) memcpy(dps[k], sps[k], runs[k]);
+            continue;
         }
-        copy_run(dp, sp, run);
-        i = j;
+        if (g == 1) {
+            copy_stream(dps[0], sps[0], runs[0]);
+            continue;
+        }
+        for (size_t off = 0; off < maxrun; off += (size_t)chunk) {
+            for (int k = 0; k < g; k++) {
+                if (off >= runs[k]) continue;
+                size_t c = runs[k] - off < (size_t)chunk ? runs[k] - off : (size_t)chunk;
+                if (off + 2 * (size_t)chunk < runs[k]) {
+                    const char *pf = sps[k] + off + 2 * (size_t)chunk;
+                    for (size_t q = 0; q < (size_t)chunk; q += 64) __builtin_prefetch(pf + q, 0, 0);
+                }
+                copy_stream(dps[k] + off, sps[k] + off, c);
+            }
+        }
     }
 #ifdef AIOKV_HAVE_SSE2
-    _mm_sfence(); /* streaming stores are weakly ordered: make them visible before completion is reported */
+    if (stream) _mm_sfence(); /* streaming stores are weakly ordered: drain them before reporting completion */
 #endif
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dst); PyBuffer_Release(&src); PyBuffer_Release(&len);
@@ -112,7 +149,7 @@ static PyObject *copy_segments(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"copy_segments", copy_segments, METH_VARARGS,
-     "copy_segments(dst_addrs, src_addrs, nbytes): memcpy each segment, GIL released."},
+     "copy_segments(dst_addrs, src_addrs, nbytes, group=1, chunk=512): memcpy each segment, GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from ._future import call_soon_threadsafe_guarded, resolve
 
-__all__ = ["HAVE_NATIVE", "CPUStream", "copy_segments"]
+__all__ = ["GATHER_GROUP", "HAVE_NATIVE", "SCATTER_GROUP", "CPUStream", "copy_segments"]
 
 try:
     from .._native._copy import copy_segments as _native_copy
@@ -33,12 +33,22 @@ def _python_copy(
         memmove(d, s, n)
 
 
+# Interleaving for gathers (scattered sources, sequential destination) and for scatters; see _copy.c.
+GATHER_GROUP = 6
+SCATTER_GROUP = 1
+
+
 def copy_segments(
-    dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
+    dst: npt.NDArray[np.int64],
+    src: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64],
+    group: int = 1,
 ) -> None:
-    """memcpy every segment ``src[i] -> dst[i]`` (``nbytes[i]`` bytes), merging adjacent runs, GIL released."""
+    """memcpy every segment ``src[i] -> dst[i]`` (``nbytes[i]`` bytes), merging adjacent runs, GIL released.
+
+    ``group`` > 1 interleaves that many runs (helps when the sources are scattered)."""
     if _native_copy is not None:
-        _native_copy(dst, src, nbytes)
+        _native_copy(dst, src, nbytes, group)
     else:  # pragma: no cover
         _python_copy(dst, src, nbytes)
 

@@ -10,7 +10,7 @@ import torch
 
 from .._errors import ClosedError, TransferError
 from .._layout import KVLayout
-from ._cpu import CPUStream, copy_segments
+from ._cpu import GATHER_GROUP, SCATTER_GROUP, CPUStream, copy_segments
 from ._future import TransferFuture, call_soon_threadsafe_guarded, resolve
 
 __all__ = ["ExecutorStats", "TransferExecutor"]
@@ -60,12 +60,12 @@ class TransferExecutor:
     def _copy_store(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> None:
         """Runs on the store worker thread (CPU backend)."""
         engine, host, nbytes = self._layout.copy_plan(block_ids, slot_ids, self._host_addr)
-        copy_segments(host, engine, nbytes)
+        copy_segments(host, engine, nbytes, GATHER_GROUP)
 
     def _copy_load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> None:
         """Runs on the load worker thread (CPU backend)."""
         engine, host, nbytes = self._layout.copy_plan(block_ids, slot_ids, self._host_addr)
-        copy_segments(engine, host, nbytes)
+        copy_segments(engine, host, nbytes, SCATTER_GROUP)
 
     def _submit(self, kind: str, block_ids: Sequence[int], slot_ids: Sequence[int]) -> TransferFuture:
         if self._closed:
