@@ -95,6 +95,9 @@ class Offloader:
         self._executor: TransferExecutor | None = None
         self._writers: list[_WriteThrough] = []
         self._state = "new"  # new -> running -> closing -> closed
+        # Bound once: completion callbacks are per copy, and the control path avoids allocating per copy.
+        self._store_done_cb = self._store_done
+        self._load_done_cb = self._load_done
 
     # ------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> Offloader:
@@ -221,15 +224,17 @@ class Offloader:
     def _unpin(self, keys: Sequence[bytes]) -> None:
         self._index.unpin(keys)
 
-    def _store_blocks(self, chain: list[bytes], start: int, block_ids: list[int]) -> TransferFuture | None:
-        """Reserve CPU slots for blocks ``start..`` of ``chain`` and submit one store copy for them."""
+    def _store_blocks(
+        self, chain: list[bytes], start: int, end: int, blocks: list[int]
+    ) -> TransferFuture | None:
+        """Reserve CPU slots for blocks ``start..end-1`` (engine blocks ``blocks[i]``, hashes ``chain[i]``) and
+        submit one store copy for them."""
         index = self._index
         c = self._counters
         keys: list[bytes] = []
         slots: list[int] = []
         ids: list[int] = []
-        for j, b in enumerate(block_ids):
-            i = start + j
+        for i in range(start, end):
             key = chain[i]
             slot = index.reserve(key, chain[i - 1] if i else None, i)
             if slot is None:
@@ -240,7 +245,7 @@ class Offloader:
                 continue
             keys.append(key)
             slots.append(slot)
-            ids.append(b)
+            ids.append(blocks[i])
         if not keys:
             return None
         return self._submit_store(keys, slots, ids)
@@ -259,10 +264,12 @@ class Offloader:
 
     def _submit_store(self, keys: list[bytes], slots: list[int], ids: list[int]) -> TransferFuture:
         tf = self.executor.submit_store(ids, slots)
-        tf.add_done_callback(lambda f: self._store_done(f, keys))
+        tf.context = keys
+        tf.add_done_callback(self._store_done_cb)
         return tf
 
-    def _store_done(self, tf: TransferFuture, keys: list[bytes]) -> None:
+    def _store_done(self, tf: TransferFuture) -> None:
+        keys: list[bytes] = tf.context
         index = self._index
         c = self._counters
         if tf.exception() is None:
@@ -279,10 +286,12 @@ class Offloader:
 
     def _load_blocks(self, keys: list[bytes], slots: list[int], block_ids: list[int]) -> TransferFuture:
         tf = self.executor.submit_load(slots, block_ids)
-        tf.add_done_callback(lambda f: self._load_done(f, keys))
+        tf.context = keys
+        tf.add_done_callback(self._load_done_cb)
         return tf
 
-    def _load_done(self, tf: TransferFuture, keys: list[bytes]) -> None:
+    def _load_done(self, tf: TransferFuture) -> None:
+        keys: list[bytes] = tf.context
         self._index.unpin(keys)
         c = self._counters
         if tf.exception() is None:

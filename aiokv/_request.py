@@ -15,12 +15,13 @@ under a copy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 from collections import deque
 from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import InvalidArgumentError, InvalidTypeError, RequestStateError
+from ._errors import InvalidArgumentError, InvalidTypeError, RequestStateError, TransferError
 from ._hashing import block_hashes, chain_seed, check_token_ids, partial_block_hash
 from .transfer._future import TransferFuture, resolve
 
@@ -241,7 +242,8 @@ class Request:
         if full > self._stored_upto:
             start = self._stored_upto
             self._stored_upto = full
-            self._post_nowait(_Ev.STORE, (start, blocks[start:full]))
+            # The block list is only ever appended to (preempt/load replace it), so positions < full are stable.
+            self._post_nowait(_Ev.STORE, (start, full, blocks))
 
     def finish(self) -> _Completion:
         """End the request. Every full, computed block is stored (including the one completed by the last
@@ -315,7 +317,8 @@ class Request:
         self._task = self._off.loop.create_task(self._run(), name=f"aiokv-request-{self.request_id}")
 
     def _chain(self, n_blocks: int) -> list[bytes]:
-        """Hashes of the first ``n_blocks`` blocks of the known tokens (computed incrementally)."""
+        """The request's block hashes, computed (incrementally) at least up to block ``n_blocks``. Returns the
+        request's own list: callers index it and must not modify it."""
         hashes = self._hashes
         have = len(hashes)
         if n_blocks > have:
@@ -330,7 +333,7 @@ class Request:
                     parent=hashes[-1] if hashes else None,
                 )
             )
-        return hashes[:n_blocks]
+        return hashes
 
     async def _run(self) -> None:
         off = self._off
@@ -345,7 +348,7 @@ class Request:
                 kind, payload, fut = events.popleft()
                 if kind is _Ev.STORE:
                     if not self._abort_requested:
-                        self._do_store(payload[0], payload[1])
+                        self._do_store(*payload)
                     continue
                 if fut is not None and fut.cancelled() and kind in (_Ev.LOOKUP, _Ev.LOAD):
                     # Withdrawn before it ran: leave no trace (pins of a withdrawn load are released).
@@ -392,15 +395,18 @@ class Request:
             off._request_ended(self)
 
     def _track(self, tf: TransferFuture) -> None:
-        self._in_flight.add(tf)
-        tf.add_done_callback(self._in_flight.discard)
+        in_flight = self._in_flight
+        if len(in_flight) >= 16:  # prune completed copies now and then (no per-copy callback needed)
+            self._in_flight = in_flight = {t for t in in_flight if not t.done()}
+        in_flight.add(tf)
 
     async def _drain(self) -> None:
-        """Wait for every copy touching this request's blocks. Never cancelled halfway: a copy is awaited
-        to completion even if the awaiting task is cancelled (it then re-raises after)."""
-        while self._in_flight:
-            pending = [tf._fut for tf in self._in_flight]
-            await asyncio.wait(pending)
+        """Wait for every copy touching this request's blocks (failed ones included)."""
+        for tf in list(self._in_flight):
+            if not tf.done():
+                with contextlib.suppress(TransferError):
+                    await tf
+        self._in_flight.clear()
 
     def _unpin(self) -> None:
         if self._pinned:
@@ -408,8 +414,8 @@ class Request:
             self._pinned = []
             self._pinned_slots = []
 
-    def _do_store(self, start: int, block_ids: list[int]) -> None:
-        tf = self._off._store_blocks(self._chain(start + len(block_ids)), start, block_ids)
+    def _do_store(self, start: int, end: int, blocks: list[int]) -> None:
+        tf = self._off._store_blocks(self._chain(end), start, end, blocks)
         if tf is not None:
             self._track(tf)
 
@@ -430,7 +436,7 @@ class Request:
         off = self._off
         bs = off.block_size
         max_blocks = max(0, (len(self.token_ids) - 1) // bs)
-        keys = self._chain(max_blocks)
+        keys = self._chain(max_blocks)[:max_blocks]
         self._pinned, self._pinned_slots = await off._lookup_and_pin(keys)
         hit = len(self._pinned)
         self._partial = 0
@@ -463,7 +469,8 @@ class Request:
         # The loaded entries stay pinned until the copy reading their slots completes (done callback).
         tf = self._off._load_blocks(keys, slots, block_ids)
         self._track(tf)
-        await asyncio.wait([tf._fut])
+        with contextlib.suppress(TransferError):
+            await tf
         if self.state is RequestState.LOADING:
             self.state = RequestState.RUNNING
         if tf.exception() is not None:

@@ -63,7 +63,9 @@ def test_init_source_is_only_imports_and_metadata() -> None:
         if isinstance(node, ast.ImportFrom):
             assert node.level == 1, "re-export from the package's own modules only"
             continue
-        assert isinstance(node, ast.Assign), f"unexpected statement at line {node.lineno}: {ast.dump(node)[:80]}"
+        assert isinstance(node, ast.Assign), (
+            f"unexpected statement at line {node.lineno}: {ast.dump(node)[:80]}"
+        )
         targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
         assert targets in (["__all__"], ["__version__"]), f"line {node.lineno} defines {targets}"
 
@@ -90,6 +92,8 @@ def test_exported_classes_and_functions_are_documented() -> None:
 def test_py_typed_ships() -> None:
     marker = resources.files("aiokv") / "py.typed"
     assert marker.is_file()
-    package_data = re.search(r"^\[tool\.setuptools\.package-data\]\n(.*?)(?:\n\[|\Z)", PYPROJECT, re.MULTILINE | re.DOTALL)
+    package_data = re.search(
+        r"^\[tool\.setuptools\.package-data\]\n(.*?)(?:\n\[|\Z)", PYPROJECT, re.MULTILINE | re.DOTALL
+    )
     assert package_data is not None
     assert re.search(r'^aiokv = \[.*"py\.typed".*\]', package_data.group(1), re.MULTILINE)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._future import call_soon_threadsafe_guarded, resolve
+from ._future import call_soon_threadsafe_guarded
 
 __all__ = ["GATHER_GROUP", "HAVE_NATIVE", "SCATTER_GROUP", "CPUStream", "copy_segments"]
 
@@ -59,26 +59,35 @@ _STOP = object()
 class CPUStream:
     """A FIFO of copy jobs executed by one worker thread; completion is delivered on the loop.
 
-    ``submit(job, fut)`` enqueues immediately (so the returned future always refers to submitted work). The
-    worker drains whatever is queued, runs the jobs in order and resolves their futures with a single
-    ``call_soon_threadsafe`` per batch.
+    ``submit(job)`` enqueues immediately. The worker drains whatever is queued, runs ``run(job)`` for each in
+    order (an exception becomes the job's ``_error``) and hands the finished batch to ``complete`` on the loop
+    with a single ``call_soon_threadsafe``.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        name: str,
+        run: Callable[[Any], None],
+        complete: Callable[[list[Any]], None],
+    ) -> None:
         self._loop = loop
+        self._run_job = run
+        self._complete = complete
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"aiokv-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._work, name=f"aiokv-{name}", daemon=True)
         self._closed = False
         self._thread.start()
 
-    def submit(self, job: Callable[[], None], fut: asyncio.Future[None]) -> None:
+    def submit(self, job: Any) -> None:
         if self._closed:
             raise RuntimeError("stream is closed")
-        self._queue.put((job, fut))
+        self._queue.put(job)
 
-    def _run(self) -> None:
+    def _work(self) -> None:
         get = self._queue.get
         get_nowait = self._queue.get_nowait
+        run = self._run_job
         stop = False
         while not stop:
             batch = [get()]
@@ -87,20 +96,16 @@ class CPUStream:
                     batch.append(get_nowait())
                 except queue.Empty:
                     break
-            done: list[tuple[asyncio.Future[None], BaseException | None]] = []
-            for item in batch:
-                if item is _STOP:
-                    stop = True
-                    continue
-                job, fut = item
+            if batch[-1] is _STOP:
+                batch.pop()
+                stop = True
+            for job in batch:
                 try:
-                    job()
+                    run(job)
                 except BaseException as exc:
-                    done.append((fut, exc))
-                else:
-                    done.append((fut, None))
-            if done:
-                call_soon_threadsafe_guarded(self._loop, _resolve_batch, done)
+                    job._error = exc
+            if batch:
+                call_soon_threadsafe_guarded(self._loop, self._complete, batch)
 
     def close(self) -> None:
         """Stop after the queued jobs; joins the worker thread (bounded)."""
@@ -108,8 +113,3 @@ class CPUStream:
             self._closed = True
             self._queue.put(_STOP)
         self._thread.join(timeout=30)
-
-
-def _resolve_batch(done: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
-    for fut, error in done:
-        resolve(fut, error)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ import torch
 from .._errors import ClosedError, TransferError
 from .._layout import KVLayout
 from ._cpu import GATHER_GROUP, SCATTER_GROUP, CPUStream, copy_segments
-from ._future import TransferFuture, call_soon_threadsafe_guarded, resolve
+from ._future import TransferFuture, call_soon_threadsafe_guarded
 
 __all__ = ["ExecutorStats", "TransferExecutor"]
 
@@ -42,7 +43,7 @@ class TransferExecutor:
         self._host_addr = host.data_ptr()
         self._loop = loop
         self._closed = False
-        self._in_flight: set[asyncio.Future[None]] = set()
+        self._in_flight: set[TransferFuture] = set()
         self._in_flight_bytes = 0
         self._submitted = 0
         self._failed = 0
@@ -54,7 +55,10 @@ class TransferExecutor:
             self._streams: tuple[CPUStream, CPUStream] | None = None
         else:
             self._cuda = None
-            self._streams = (CPUStream(loop, "store"), CPUStream(loop, "load"))
+            self._streams = (
+                CPUStream(loop, "store", self._run_store, self._complete_batch),
+                CPUStream(loop, "load", self._run_load, self._complete_batch),
+            )
 
     # ------------------------------------------------------------------ copies
     def _copy_store(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> None:
@@ -67,48 +71,56 @@ class TransferExecutor:
         engine, host, nbytes = self._layout.copy_plan(block_ids, slot_ids, self._host_addr)
         copy_segments(engine, host, nbytes, SCATTER_GROUP)
 
+    def _run_store(self, job: _Job) -> None:
+        try:
+            self._copy_store(job.block_ids, job.slot_ids)
+        except BaseException as exc:
+            raise _transfer_error("store", exc) from exc
+
+    def _run_load(self, job: _Job) -> None:
+        try:
+            self._copy_load(job.slot_ids, job.block_ids)
+        except BaseException as exc:
+            raise _transfer_error("load", exc) from exc
+
+    def _complete_batch(self, batch: list[_Job]) -> None:
+        """Loop thread: account for finished copies, then complete their futures (callbacks run in order)."""
+        in_flight = self._in_flight
+        for job in batch:
+            tf = job.future
+            assert tf is not None, "a job completed before its future was attached"
+            in_flight.discard(tf)
+            self._in_flight_bytes -= tf.nbytes
+            if job._error is not None:
+                tf._error = _transfer_error(tf.kind, job._error)
+                self._failed += 1
+            tf._complete()
+
     def _submit(self, kind: str, block_ids: Sequence[int], slot_ids: Sequence[int]) -> TransferFuture:
         if self._closed:
             raise ClosedError("transfer executor is closed")
-        loop = self._loop
-        fut: asyncio.Future[None] = loop.create_future()
-        nbytes = len(block_ids) * self._layout.slot_bytes
-        store = kind == "store"
+        job = _Job(block_ids, slot_ids)
         event = None
         if self._cuda is not None:
+            loop = self._loop
 
-            def on_done(error: BaseException | None) -> None:
-                call_soon_threadsafe_guarded(loop, resolve, fut, _wrap(kind, error))
+            def on_done(error: BaseException | None) -> None:  # CUDA waiter thread
+                job._error = error
+                call_soon_threadsafe_guarded(loop, self._complete_batch, [job])
 
-            event = self._cuda.enqueue(store, list(block_ids), list(slot_ids), on_done)
+            event = self._cuda.enqueue(kind == "store", list(block_ids), list(slot_ids), on_done)
         else:
             assert self._streams is not None
-            if store:
-                job = lambda: self._wrapped(kind, self._copy_store, block_ids, slot_ids)  # noqa: E731
-                self._streams[0].submit(job, fut)
-            else:
-                job = lambda: self._wrapped(kind, self._copy_load, slot_ids, block_ids)  # noqa: E731
-                self._streams[1].submit(job, fut)
+            self._streams[0 if kind == "store" else 1].submit(job)
+        # The copy is on its stream: only now does its future exist. Completion is delivered through the loop,
+        # which cannot run before this method returns, so attaching the future here cannot race.
+        tf = TransferFuture(self._loop, kind, block_ids, slot_ids, len(block_ids) * self._layout.slot_bytes)
+        tf.event = event
+        job.future = tf
         self._submitted += 1
-        self._in_flight.add(fut)
-        self._in_flight_bytes += nbytes
-        fut.add_done_callback(lambda f: self._on_done(f, nbytes))
-        return TransferFuture(fut, kind, len(block_ids), nbytes, event)
-
-    @staticmethod
-    def _wrapped(kind: str, fn: object, a: Sequence[int], b: Sequence[int]) -> None:
-        try:
-            fn(a, b)  # type: ignore[operator]
-        except TransferError:
-            raise
-        except BaseException as exc:
-            raise TransferError(f"{kind} copy failed: {exc!r}") from exc
-
-    def _on_done(self, fut: asyncio.Future[None], nbytes: int) -> None:
-        self._in_flight.discard(fut)
-        self._in_flight_bytes -= nbytes
-        if not fut.cancelled() and fut.exception() is not None:
-            self._failed += 1
+        self._in_flight.add(tf)
+        self._in_flight_bytes += tf.nbytes
+        return tf
 
     def submit_store(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> TransferFuture:
         """Copy engine blocks ``block_ids[i]`` into host slots ``slot_ids[i]``."""
@@ -122,7 +134,9 @@ class TransferExecutor:
     async def drain(self) -> None:
         """Wait until every submitted copy has completed (successfully or not)."""
         while self._in_flight:
-            await asyncio.wait(list(self._in_flight))
+            tf = next(iter(self._in_flight))
+            with contextlib.suppress(TransferError):
+                await tf
 
     async def aclose(self) -> None:
         """Drain, then stop the streams. Idempotent."""
@@ -146,8 +160,20 @@ class TransferExecutor:
         )
 
 
-def _wrap(kind: str, error: BaseException | None) -> BaseException | None:
-    if error is None or isinstance(error, TransferError):
+class _Job:
+    """What a stream executes; its TransferFuture is attached once the job is queued."""
+
+    __slots__ = ("_error", "block_ids", "future", "slot_ids")
+
+    def __init__(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> None:
+        self.block_ids = block_ids
+        self.slot_ids = slot_ids
+        self.future: TransferFuture | None = None
+        self._error: BaseException | None = None  # set by the worker thread
+
+
+def _transfer_error(kind: str, error: BaseException) -> TransferError:
+    if isinstance(error, TransferError):
         return error
     wrapped = TransferError(f"{kind} copy failed: {error!r}")
     wrapped.__cause__ = error

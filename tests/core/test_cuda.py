@@ -10,7 +10,9 @@ import aiokv
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio]
 
 
-def _layout(num_blocks: int = 64, dtype: torch.dtype = torch.float16) -> tuple[list[torch.Tensor], aiokv.KVLayout]:
+def _layout(
+    num_blocks: int = 64, dtype: torch.dtype = torch.float16
+) -> tuple[list[torch.Tensor], aiokv.KVLayout]:
     kv = [torch.randn(num_blocks, 16, 8, 128, device="cuda").to(dtype) for _ in range(8)]
     return kv, aiokv.KVLayout(kv, block_size=16)
 

@@ -80,16 +80,56 @@ def test_every_error_derives_from_aiokv_error_and_the_apt_builtin(cls: type, bas
 @pytest.mark.parametrize(
     ("tensors", "kwargs", "exc", "match"),
     [
-        (lambda: [torch.zeros(8, 4, 2)], {"block_size": 0}, InvalidArgumentError, r"block_size must be a positive int, got 0"),
-        (lambda: [torch.zeros(8, 4, 2)], {"block_size": True}, InvalidArgumentError, r"block_size must be a positive int, got True"),
-        (lambda: [torch.zeros(8, 4, 2)], {"block_dim": -1}, InvalidArgumentError, r"block_dim must be a non-negative int, got -1"),
-        (lambda: [torch.zeros(8, 4, 2)], {"model_id": 7}, InvalidTypeError, r"model_id must be a str or None, got int"),
+        (
+            lambda: [torch.zeros(8, 4, 2)],
+            {"block_size": 0},
+            InvalidArgumentError,
+            r"block_size must be a positive int, got 0",
+        ),
+        (
+            lambda: [torch.zeros(8, 4, 2)],
+            {"block_size": True},
+            InvalidArgumentError,
+            r"block_size must be a positive int, got True",
+        ),
+        (
+            lambda: [torch.zeros(8, 4, 2)],
+            {"block_dim": -1},
+            InvalidArgumentError,
+            r"block_dim must be a non-negative int, got -1",
+        ),
+        (
+            lambda: [torch.zeros(8, 4, 2)],
+            {"model_id": 7},
+            InvalidTypeError,
+            r"model_id must be a str or None, got int",
+        ),
         (lambda: [], {}, InvalidLayoutError, r"tensors must contain at least one tensor"),
         (lambda: 42, {}, InvalidTypeError, r"tensors must be a tensor or a list of tensors, got int"),
-        (lambda: [torch.zeros(8, 4), "v"], {}, InvalidTypeError, r"tensors must contain torch.Tensor objects, got str"),
-        (lambda: [torch.zeros(8, 4, 2)], {"block_dim": 3}, InvalidLayoutError, r"tensors\[0\] has 3 dims; block_dim=3 needs at least 4"),
-        (lambda: [torch.zeros(8, 4, dtype=torch.bool)], {}, InvalidLayoutError, r"tensors\[0\] must be a dense numeric tensor, got torch.bool"),
-        (lambda: [torch.zeros(8, 4, 2, device="meta")], {}, InvalidLayoutError, r"tensors must be on a cpu or cuda device, got meta"),
+        (
+            lambda: [torch.zeros(8, 4), "v"],
+            {},
+            InvalidTypeError,
+            r"tensors must contain torch.Tensor objects, got str",
+        ),
+        (
+            lambda: [torch.zeros(8, 4, 2)],
+            {"block_dim": 3},
+            InvalidLayoutError,
+            r"tensors\[0\] has 3 dims; block_dim=3 needs at least 4",
+        ),
+        (
+            lambda: [torch.zeros(8, 4, dtype=torch.bool)],
+            {},
+            InvalidLayoutError,
+            r"tensors\[0\] must be a dense numeric tensor, got torch.bool",
+        ),
+        (
+            lambda: [torch.zeros(8, 4, 2, device="meta")],
+            {},
+            InvalidLayoutError,
+            r"tensors must be on a cpu or cuda device, got meta",
+        ),
         (
             lambda: [torch.zeros(8, 4, 2), torch.zeros(8, 4, 2, device="meta")],
             {},
@@ -131,7 +171,9 @@ def test_every_error_derives_from_aiokv_error_and_the_apt_builtin(cls: type, bas
     ],
     ids=lambda v: None if not isinstance(v, str) else v[:40],
 )
-def test_kvlayout_rejects_bad_tensors(tensors: Any, kwargs: dict[str, Any], exc: type[Exception], match: str) -> None:
+def test_kvlayout_rejects_bad_tensors(
+    tensors: Any, kwargs: dict[str, Any], exc: type[Exception], match: str
+) -> None:
     with pytest.raises(exc, match=match):
         KVLayout(tensors(), **kwargs)
 
@@ -175,7 +217,8 @@ def test_cpu_tier_rejects_bad_capacity() -> None:
 def test_capacity_smaller_than_one_block_fails_at_offloader_construction() -> None:
     layout = make_layout()
     with pytest.raises(
-        CapacityError, match=rf"capacity_bytes must hold at least one block of {layout.slot_bytes} bytes, got 100"
+        CapacityError,
+        match=rf"capacity_bytes must hold at least one block of {layout.slot_bytes} bytes, got 100",
     ):
         Offloader(layout, [CPUTier(capacity_bytes=100)])
 
@@ -197,7 +240,9 @@ def test_offloader_rejects_bad_arguments() -> None:
 
 
 def test_bad_eviction_name_is_rejected_with_the_valid_names() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"eviction must be one of \[.*'lru'.*\] or an EvictionPolicy, got 'mru'"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"eviction must be one of \[.*'lru'.*\] or an EvictionPolicy, got 'mru'"
+    ):
         Offloader(make_layout(), [CPUTier(capacity_bytes=1 << 20)], eviction="mru")
     with pytest.raises(InvalidArgumentError, match=r"eviction must be one of .* got 'fifo'"):
         Offloader(make_layout(), [CPUTier(capacity_bytes=1 << 20, eviction="fifo")])
@@ -244,12 +289,27 @@ async def test_duplicate_request_id_is_rejected_and_the_first_request_is_untouch
     ("args", "kwargs", "exc", "match"),
     [
         ((True, [1]), {}, InvalidTypeError, r"request_id must be a str or int, got bool"),
-        (("r", "abc"), {}, InvalidTypeError, r"prompt_token_ids must be a sequence of ints, got (a string|str)"),
+        (
+            ("r", "abc"),
+            {},
+            InvalidTypeError,
+            r"prompt_token_ids must be a sequence of ints, got (a string|str)",
+        ),
         (("r", [1, None]), {}, InvalidTypeError, r"prompt_token_ids must (be a sequence of|contain) ints"),
         (("r", []), {}, InvalidArgumentError, r"prompt_token_ids must not be empty"),
-        (("r", [1], 1.5), {}, InvalidTypeError, r"(salt|hash keys) must be None, bool, int, str, bytes or tuples of them, got float"),
+        (
+            ("r", [1], 1.5),
+            {},
+            InvalidTypeError,
+            r"(salt|hash keys) must be None, bool, int, str, bytes or tuples of them, got float",
+        ),
         (("r", [1], ("t", object())), {}, InvalidTypeError, r"got object"),
-        (("r", [1]), {"extra_keys": [{"lora": 1}]}, InvalidTypeError, r"must be None, bool, int, str, bytes or tuples of them, got dict"),
+        (
+            ("r", [1]),
+            {"extra_keys": [{"lora": 1}]},
+            InvalidTypeError,
+            r"must be None, bool, int, str, bytes or tuples of them, got dict",
+        ),
     ],
 )
 async def test_open_rejects_bad_arguments_without_side_effects(
@@ -271,7 +331,11 @@ async def test_open_rejects_bad_arguments_without_side_effects(
         ([1, 2.0, 3], InvalidTypeError, r"prompt_token_ids must (be a sequence of|contain) ints"),
         ([1, "7", 3], InvalidTypeError, r"prompt_token_ids must (be a sequence of|contain) ints"),
         ([True, 2, 3], InvalidTypeError, r"prompt_token_ids must (be a sequence of|contain) ints"),
-        ([2**70, 1, 2, 3, 4, 5, 6, 7, 8], InvalidArgumentError, r"prompt_token_ids must be in the int64 range"),
+        (
+            [2**70, 1, 2, 3, 4, 5, 6, 7, 8],
+            InvalidArgumentError,
+            r"prompt_token_ids must be in the int64 range",
+        ),
     ],
 )
 async def test_open_rejects_token_ids_that_would_hash_wrongly(
@@ -319,13 +383,21 @@ async def test_step_rejects_token_ids_that_would_hash_wrongly(
     [
         ((4, (), [16]), BlockRangeError, r"new_block_ids must be in \[0, 16\), got 16"),
         ((4, (), [5, 5]), InvalidArgumentError, r"new_block_ids must not contain duplicates, got \[5, 5\]"),
-        ((4, (), [0]), InvalidArgumentError, r"new_block_ids must not repeat a block the request holds, got 0"),
+        (
+            (4, (), [0]),
+            InvalidArgumentError,
+            r"new_block_ids must not repeat a block the request holds, got 0",
+        ),
         ((4, (), [2.0]), InvalidTypeError, r"new_block_ids must contain ints, got 2.0"),
         ((4, (), ["2"]), InvalidTypeError, r"new_block_ids must contain ints, got '2'"),
         ((4.0, (), ()), InvalidTypeError, r"num_computed_tokens must be an int, got float"),
         ((3, (), ()), InvalidArgumentError, r"num_computed_tokens must not decrease, got 3 after 4"),
         ((11, (), [2]), InvalidArgumentError, r"num_computed_tokens must be <= known tokens \(10\), got 11"),
-        ((9, (), ()), InvalidArgumentError, r"num_computed_tokens must fit in the request's 2 blocks of 4 tokens, got 9"),
+        (
+            (9, (), ()),
+            InvalidArgumentError,
+            r"num_computed_tokens must fit in the request's 2 blocks of 4 tokens, got 9",
+        ),
         ((8, [1, None], ()), InvalidTypeError, r"new_token_ids must (be a sequence of|contain) ints"),
     ],
 )
@@ -392,7 +464,11 @@ async def test_load_rejects_bad_block_ids_and_keeps_the_lookup(off: Offloader) -
         ([4, 4], InvalidArgumentError, r"block_ids must not contain duplicates"),
         ([4, "5"], InvalidTypeError, r"block_ids must contain ints, got '5'"),
         ([4, 5.5], InvalidTypeError, r"block_ids must contain ints, got 5.5"),
-        ([4, 5, 6, 7], InvalidArgumentError, r"block_ids must have at most 3 blocks \(the last lookup's hit\), got 4"),
+        (
+            [4, 5, 6, 7],
+            InvalidArgumentError,
+            r"block_ids must have at most 3 blocks \(the last lookup's hit\), got 4",
+        ),
     ]
     for ids, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -412,9 +488,13 @@ async def test_load_rejects_bad_block_ids_and_keeps_the_lookup(off: Offloader) -
 async def test_lookup_and_load_need_a_request_without_blocks(off: Offloader) -> None:
     req = off.open("r", list(range(10)))
     req.step(4, new_block_ids=[0])
-    with pytest.raises(RequestStateError, match=r"lookup\(\) needs a request holding no blocks .* is running"):
+    with pytest.raises(
+        RequestStateError, match=r"lookup\(\) needs a request holding no blocks .* is running"
+    ):
         req.lookup()
-    with pytest.raises(RequestStateError, match=r"load\(\) needs a request holding no blocks, request 'r' is running"):
+    with pytest.raises(
+        RequestStateError, match=r"load\(\) needs a request holding no blocks, request 'r' is running"
+    ):
         req.load([1])
     req.step(8, new_block_ids=[1])
     await req.finish()
@@ -436,9 +516,13 @@ async def test_calls_after_the_end_raise_request_state_error(off: Offloader, end
     assert req.state is expected
     before = snapshot(off)
     # ... and after it.
-    with pytest.raises(RequestStateError, match=rf"step\(\) after the request ended: request 'r' is {expected.value}"):
+    with pytest.raises(
+        RequestStateError, match=rf"step\(\) after the request ended: request 'r' is {expected.value}"
+    ):
         req.step(8)
-    with pytest.raises(RequestStateError, match=rf"lookup\(\) after the request ended: request 'r' is {expected.value}"):
+    with pytest.raises(
+        RequestStateError, match=rf"lookup\(\) after the request ended: request 'r' is {expected.value}"
+    ):
         req.lookup()
     with pytest.raises(RequestStateError, match=r"load\(\) after the request ended"):
         req.load([2])

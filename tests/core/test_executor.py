@@ -86,8 +86,8 @@ async def test_a_transfer_future_exists_only_after_its_job_is_queued(monkeypatch
     queued_at_creation: list[int] = []
     real_submit = cpu_mod.CPUStream.submit
 
-    def submit(stream: cpu_mod.CPUStream, job: Callable[[], None], fut: asyncio.Future[None]) -> None:
-        real_submit(stream, job, fut)
+    def submit(stream: cpu_mod.CPUStream, job: object) -> None:
+        real_submit(stream, job)
         queued.append(job)
 
     class RecordingFuture(TransferFuture):
@@ -116,11 +116,13 @@ async def test_a_transfer_future_exists_only_after_its_job_is_queued(monkeypatch
 
 
 @pytest.mark.asyncio
-async def test_a_failed_submission_leaves_no_future_and_no_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_failed_submission_leaves_no_future_and_no_accounting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     made: list[object] = []
     monkeypatch.setattr(executor_mod, "TransferFuture", lambda *a, **k: made.append(a))
 
-    def refuse(stream: cpu_mod.CPUStream, job: object, fut: object) -> None:
+    def refuse(stream: cpu_mod.CPUStream, job: object) -> None:
         raise RuntimeError("stream is closed")
 
     monkeypatch.setattr(cpu_mod.CPUStream, "submit", refuse)
@@ -183,7 +185,9 @@ async def test_a_failing_copy_resolves_with_transfer_error(monkeypatch: pytest.M
     ex = TransferExecutor(layout, make_host(layout), asyncio.get_running_loop())
     try:
         tf = ex.submit_store([0, 1], [0, 1])
-        with pytest.raises(TransferError, match=r"store copy failed: OSError\('injected copy failure'\)") as info:
+        with pytest.raises(
+            TransferError, match=r"store copy failed: OSError\('injected copy failure'\)"
+        ) as info:
             await tf
         assert isinstance(info.value.__cause__, OSError)
         assert isinstance(tf.exception(), TransferError)
@@ -196,7 +200,9 @@ async def test_a_failing_copy_resolves_with_transfer_error(monkeypatch: pytest.M
 
 
 @pytest.mark.asyncio
-async def test_failed_store_is_discarded_never_visible_and_counted(monkeypatch: pytest.MonkeyPatch, gate: Gate) -> None:
+async def test_failed_store_is_discarded_never_visible_and_counted(
+    monkeypatch: pytest.MonkeyPatch, gate: Gate
+) -> None:
     fail = threading.Event()
     real = TransferExecutor._copy_store  # the gated copy
 
@@ -278,12 +284,21 @@ async def test_completion_of_a_cancelled_future_is_ignored(gate: Gate) -> None:
     ex = TransferExecutor(layout, make_host(layout), loop)
     try:
         tf = ex.submit_store([1], [1])
-        tf._fut.cancel()
+
+        async def wait() -> None:
+            await tf
+
+        waiter = asyncio.ensure_future(wait())
+        await settle(1)  # the waiter is now awaiting the transfer
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
         gate.open()
         nxt = ex.submit_store([2], [2])  # same stream: done after the cancelled one was resolved
         await nxt
         await settle()
         assert errors == []
+        assert tf.done()  # the copy itself was not cancelled
         assert ex.stats().in_flight == 0
     finally:
         loop.set_exception_handler(None)
@@ -299,7 +314,9 @@ def loop_factories() -> list[Any]:
 
 
 @pytest.mark.parametrize("new_loop", loop_factories())
-def test_guarded_call_soon_threadsafe_on_a_closed_loop(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+def test_guarded_call_soon_threadsafe_on_a_closed_loop(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
     loop = new_loop()
     fut = loop.create_future()
     loop.close()
@@ -359,7 +376,11 @@ async def test_aclose_drains_in_flight_copies(gate: Gate) -> None:
 async def test_executor_rejects_a_bad_host_buffer() -> None:
     layout = make_layout()
     loop = asyncio.get_running_loop()
-    for bad in (torch.zeros(64, dtype=torch.float32), torch.zeros(8, 8, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)[::2]):
+    for bad in (
+        torch.zeros(64, dtype=torch.float32),
+        torch.zeros(8, 8, dtype=torch.uint8),
+        torch.zeros(64, dtype=torch.uint8)[::2],
+    ):
         with pytest.raises(ValueError, match=r"host buffer must be a contiguous 1-d uint8 tensor"):
             TransferExecutor(layout, bad, loop)
 

@@ -45,7 +45,11 @@ def golden_inputs() -> dict[str, list[str]]:
         "keyed": [
             h.hex()
             for h in block_hashes(
-                list(range(16)), 16, salt="tenant", extra_keys=("lora", 3), root=make_root(b"\x01" * 32, "llama")
+                list(range(16)),
+                16,
+                salt="tenant",
+                extra_keys=("lora", 3),
+                root=make_root(b"\x01" * 32, "llama"),
             )
         ],
         "salts": [block_hashes([7] * 4, 4, salt=s)[0].hex() for s in (None, 0, "a", b"a", ("a", 1), True)],
@@ -98,12 +102,18 @@ def test_parent_continuation_equals_one_shot(tokens: list[int], block_size: int,
     one_shot = block_hashes(tokens, block_size, salt="s", extra_keys=(1,))
     k = min(cut // block_size, len(one_shot))
     head = block_hashes(tokens[: k * block_size], block_size, salt="s", extra_keys=(1,))
-    tail = block_hashes(tokens[k * block_size :], block_size, parent=head[-1] if head else None, salt="s", extra_keys=(1,))
+    tail = block_hashes(
+        tokens[k * block_size :], block_size, parent=head[-1] if head else None, salt="s", extra_keys=(1,)
+    )
     assert head + tail == one_shot
 
 
 @settings(max_examples=60, deadline=None)
-@given(tokens=st.lists(st.integers(0, 50_000), min_size=8, max_size=40), pos=st.integers(0, 39), block_size=st.integers(1, 8))
+@given(
+    tokens=st.lists(st.integers(0, 50_000), min_size=8, max_size=40),
+    pos=st.integers(0, 39),
+    block_size=st.integers(1, 8),
+)
 def test_hash_i_depends_on_every_earlier_token(tokens: list[int], pos: int, block_size: int) -> None:
     pos %= len(tokens)
     changed = list(tokens)
@@ -152,13 +162,26 @@ def test_extra_keys_list_and_tuple_are_the_same_key() -> None:
 
 
 def test_make_root_mixes_fingerprint_and_model() -> None:
-    roots = {make_root(), make_root(b"a"), make_root(b"b"), make_root(b"a", "m1"), make_root(b"a", "m2"), make_root(b"", "m1")}
+    roots = {
+        make_root(),
+        make_root(b"a"),
+        make_root(b"b"),
+        make_root(b"a", "m1"),
+        make_root(b"a", "m2"),
+        make_root(b"", "m1"),
+    }
     assert len(roots) == 6
     assert make_root(b"a", "m1") == make_root(bytearray(b"a"), "m1")
 
 
 # -------------------------------------------------------------------------------------- fingerprint
-def fp(*shape: int, dtype: torch.dtype = torch.float16, block_size: int = 16, block_dim: int = 0, model_id: str | None = None) -> bytes:
+def fp(
+    *shape: int,
+    dtype: torch.dtype = torch.float16,
+    block_size: int = 16,
+    block_dim: int = 0,
+    model_id: str | None = None,
+) -> bytes:
     t = torch.zeros(*shape, dtype=dtype)
     return KVLayout([t, t.clone()], block_size=block_size, block_dim=block_dim, model_id=model_id).fingerprint
 
@@ -193,7 +216,11 @@ def test_layout_root_separates_caches_of_different_layouts() -> None:
         ({"root": b"short"}, InvalidArgumentError, r"root must be 32 bytes"),
         ({"root": "x" * 32}, InvalidArgumentError, r"root must be 32 bytes"),
         ({"parent": b"\x00" * 31}, InvalidArgumentError, r"parent must be a 32-byte block hash"),
-        ({"salt": 1.5}, InvalidTypeError, r"salt must be None, bool, int, str, bytes or tuples of them, got float"),
+        (
+            {"salt": 1.5},
+            InvalidTypeError,
+            r"salt must be None, bool, int, str, bytes or tuples of them, got float",
+        ),
         ({"salt": {"tenant": 1}}, InvalidTypeError, r"salt must be .* got dict"),
         ({"salt": ("ok", 2.5)}, InvalidTypeError, r"salt must be .* got float"),
         ({"extra_keys": (object(),)}, InvalidTypeError, r"extra_keys must be .* got object"),
@@ -234,11 +261,17 @@ def test_check_token_ids_accepts_ints_and_int_likes() -> None:
         ([None], InvalidTypeError, r"prompt_token_ids must contain ints, got None"),
         ("123", InvalidTypeError, r"prompt_token_ids must be a sequence of ints, got str"),
         (7, InvalidTypeError, r"prompt_token_ids must be a sequence of ints, got int"),
-        ([2**63], InvalidArgumentError, r"prompt_token_ids must be in the int64 range, got 9223372036854775808"),
+        (
+            [2**63],
+            InvalidArgumentError,
+            r"prompt_token_ids must be in the int64 range, got 9223372036854775808",
+        ),
         ([-(2**63) - 1], InvalidArgumentError, r"prompt_token_ids must be in the int64 range"),
     ],
 )
-def test_check_token_ids_rejects_what_would_change_hashes_silently(tokens: object, exc: type[Exception], match: str) -> None:
+def test_check_token_ids_rejects_what_would_change_hashes_silently(
+    tokens: object, exc: type[Exception], match: str
+) -> None:
     with pytest.raises(exc, match=match):
         check_token_ids(tokens, "prompt_token_ids")
 

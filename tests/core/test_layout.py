@@ -124,7 +124,10 @@ def test_layout_accepts_dicts_and_pairs_and_reports_sizes() -> None:
     assert by_pair.bytes_per_token == 2 * HEADS * DIM * 2
     assert by_pair.num_blocks == NB
     assert not by_pair.is_cuda
-    assert repr(by_pair) == f"KVLayout(2 tensors x {NB} blocks of {BS} tokens, 256 bytes/block, torch.float16 on cpu)"
+    assert (
+        repr(by_pair)
+        == f"KVLayout(2 tensors x {NB} blocks of {BS} tokens, 256 bytes/block, torch.float16 on cpu)"
+    )
 
 
 def test_outer_strided_view_is_accepted_when_blocks_are_contiguous() -> None:
@@ -154,7 +157,16 @@ def test_copy_plan_address_math() -> None:
         p0 + 3 * 24, p0 + 120 + 3 * 24, p1 + 3 * 7, p1 + 35 + 3 * 7,
         p0 + 1 * 24, p0 + 120 + 1 * 24, p1 + 1 * 7, p1 + 35 + 1 * 7,
     ]  # fmt: skip
-    assert host.tolist() == [1000 + 0, 1000 + 24, 1000 + 48, 1000 + 55, 1248 + 0, 1248 + 24, 1248 + 48, 1248 + 55]
+    assert host.tolist() == [
+        1000 + 0,
+        1000 + 24,
+        1000 + 48,
+        1000 + 55,
+        1248 + 0,
+        1248 + 24,
+        1248 + 48,
+        1248 + 55,
+    ]
     assert nbytes.tolist() == [24, 24, 7, 7] * 2
     empty = layout.copy_plan([], [], buffer_addr=1000)
     assert [len(a) for a in empty] == [0, 0, 0]
@@ -195,7 +207,9 @@ def layouts(draw: st.DrawFn) -> tuple[list[torch.Tensor], int]:
 
 @settings(max_examples=60, deadline=None)
 @given(spec=layouts(), data=st.data())
-def test_copy_plan_packs_slots_as_documented(spec: tuple[list[torch.Tensor], int], data: st.DataObject) -> None:
+def test_copy_plan_packs_slots_as_documented(
+    spec: tuple[list[torch.Tensor], int], data: st.DataObject
+) -> None:
     """A slot holds, tensor by tensor, the block's outer segments in row-major order."""
     tensors, block_dim = spec
     layout = KVLayout(tensors, block_size=1, block_dim=block_dim)
