@@ -306,12 +306,17 @@ class Offloader:
         slots = index.pin_prefix(keys)
         pinned = keys[: len(slots)]
         if len(pinned) < len(keys) and self.lower:
-            for tier in self.lower:
+            for pos, tier in enumerate(self.lower):
                 if len(pinned) == len(keys):
                     break
                 got_keys, got_slots = await self._stage(tier, keys, len(pinned))
                 pinned.extend(got_keys)
                 slots.extend(got_slots)
+                # Promote: blocks found in a slower tier are also written to the faster lower tiers (e.g. a
+                # Redis hit lands on the local disk too), through the same bounded write-through.
+                if got_keys and self._state == "running":
+                    for w in self._writers[:pos]:
+                        w.offer(got_keys)
         c = self._counters
         c.lookups += 1
         c.hits += len(pinned)

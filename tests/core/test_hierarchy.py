@@ -241,3 +241,22 @@ async def test_aclose_bounds_the_wait_for_a_hung_tier() -> None:
     assert s.write_through_blocks == 0
     assert s.write_through_dropped == 2
     assert shared.closed
+
+
+async def test_blocks_staged_from_a_slower_tier_are_promoted_to_faster_lower_tiers() -> None:
+    """A Redis-like hit on a machine whose disk-like tier lacks the blocks lands on that disk tier too."""
+    disk, remote = MemoryTier(), MemoryTier()
+    eng = SimEngine(block_size=4)
+    tokens = list(range(13))
+    async with _off(eng, 64, remote) as a:  # another machine: writes only the shared tier
+        await _serve(eng, a, "a", tokens)
+        await a.flush()
+    assert len(remote.data) == 3
+    eng2 = SimEngine(block_size=4)
+    async with _off(eng2, 64, disk, remote) as b:
+        req = b.open("b", [*tokens, 1])
+        assert await req.lookup() == 12
+        await req.abort()
+        await b.flush()
+        assert set(disk.data) == set(remote.data)
+        assert b.cpu.stats().pinned == 0
