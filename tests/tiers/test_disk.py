@@ -10,7 +10,7 @@ import random
 import subprocess
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,26 +21,23 @@ from aiokv.tiers._base import TierSpec
 from aiokv.tiers._disk import LOCK_NAME, META_NAME, DiskTier
 from aiokv.tiers._format import HEADER_SIZE, TierHealth
 
+from . import _entries as entries
+from ._entries import FP, RunPy
+
 PB = 8192  # payload bytes: entries are 12288 bytes with 3968 bytes of padding
-FP = hashlib.sha256(b"layout-a").digest()
-RunPy = Callable[..., subprocess.CompletedProcess[str]]
+make_keys = entries.keys
 
 
 def make_spec(payload_bytes: int = PB, fingerprint: bytes = FP) -> TierSpec:
-    return TierSpec(payload_bytes, fingerprint, 16, "test layout")
-
-
-def make_keys(n: int, tag: str = "a") -> list[bytes]:
-    return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
+    return entries.spec(payload_bytes, fingerprint)
 
 
 def make_payloads(n: int, payload_bytes: int = PB, seed: int = 0) -> list[memoryview]:
-    rng = random.Random(seed)
-    return [memoryview(bytearray(rng.randbytes(payload_bytes))) for _ in range(n)]
+    return entries.payloads(n, payload_bytes, seed)
 
 
 def make_outs(n: int, payload_bytes: int = PB) -> list[memoryview]:
-    return [memoryview(bytearray(payload_bytes)) for _ in range(n)]
+    return entries.outs(n, payload_bytes)
 
 
 async def open_tier(
