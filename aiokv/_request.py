@@ -74,6 +74,7 @@ class Request:
 
     __slots__ = (
         "_abort_requested",
+        "_block_set",
         "_blocks",
         "_events",
         "_hashes",
@@ -110,6 +111,7 @@ class Request:
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0
         self._blocks: list[int] = []
+        self._block_set: set[int] = set()  # membership for new_block_ids validation, O(1) per id
         self._stored_upto = 0  # leading blocks already handed to the store path
         self._hashes: list[bytes] = []
         self._events: deque[tuple[_Ev, Any, asyncio.Future[Any] | None]] = deque()
@@ -172,6 +174,7 @@ class Request:
         # The block table and counters change now, synchronously, so that step() right after is validated
         # against them; the copy itself is submitted by the task in order.
         self._blocks = list(ids)
+        self._block_set = set(ids)
         bs = self._off.block_size
         if partial:  # the last block is only partially filled: it is not a stored full block yet
             self.num_computed_tokens = (len(ids) - 1) * bs + partial
@@ -209,13 +212,12 @@ class Request:
         ids: list[int] = []
         if len(new_block_ids):
             ids = off.layout.check_block_ids(new_block_ids, "new_block_ids")
-            if blocks:
-                held = set(blocks)
-                for b in ids:
-                    if b in held:
-                        raise InvalidArgumentError(
-                            f"new_block_ids must not repeat a block the request holds, got {b}"
-                        )
+            held = self._block_set
+            for b in ids:
+                if b in held:
+                    raise InvalidArgumentError(
+                        f"new_block_ids must not repeat a block the request holds, got {b}"
+                    )
         toks = check_token_ids(new_token_ids, "new_token_ids") if len(new_token_ids) else _EMPTY
         n = num_computed_tokens
         if n < self.num_computed_tokens:
@@ -233,8 +235,13 @@ class Request:
             )
         if ids:
             blocks.extend(ids)
+            self._block_set.update(ids)
         if toks:
             self.token_ids.extend(toks)
+        if self._hit_blocks is not None:
+            # Stepping without load(): the lookup's pins are no longer needed (a LOAD of nothing releases them).
+            self._hit_blocks = None
+            self._post_nowait(_Ev.LOAD, _EMPTY)
         self.num_computed_tokens = n
         if state is not RequestState.LOADING:
             self.state = RequestState.RUNNING
@@ -258,6 +265,7 @@ class Request:
         self._check_alive("preempt")
         tail = self._partial_tail()
         self._blocks = []
+        self._block_set = set()
         self.num_computed_tokens = 0
         self._stored_upto = 0
         self._hit_blocks = None
@@ -348,13 +356,14 @@ class Request:
                 kind, payload, fut = events.popleft()
                 if kind is _Ev.STORE:
                     if not self._abort_requested:
-                        self._do_store(*payload)
+                        self._guarded(self._do_store, *payload)
                     continue
                 if fut is not None and fut.cancelled() and kind in (_Ev.LOOKUP, _Ev.LOAD):
                     # Withdrawn before it ran: leave no trace (pins of a withdrawn load are released).
                     if kind is _Ev.LOAD:
                         self._unpin()
                         self._blocks = []
+                        self._block_set = set()
                         self.num_computed_tokens = 0
                         self._stored_upto = 0
                         if self.state is RequestState.LOADING:
@@ -367,8 +376,8 @@ class Request:
                         result = await self._do_load(payload)
                     else:
                         if payload is not None and not self._abort_requested:
-                            self._do_store_partial(*payload)
-                        await self._drain()
+                            self._guarded(self._do_store_partial, *payload)
+                        await self._drain()  # always: this is what makes the blocks reusable
                         self._unpin()
                         result = None
                         if kind is not _Ev.PREEMPT:
@@ -393,6 +402,17 @@ class Request:
                     else:
                         fut.set_exception(RequestStateError(f"request {self.request_id!r} ended"))
             off._request_ended(self)
+
+    def _guarded(self, store: Any, *args: Any) -> None:
+        """Run a store submission; a failure to submit (a bug, a closed executor) drops the store, is counted
+        and reported, and never stops the request's task (which must go on to drain and resolve)."""
+        try:
+            store(*args)
+        except Exception as exc:
+            self._off._counters.store_errors += 1
+            self._off.loop.call_exception_handler(
+                {"message": f"aiokv: store for request {self.request_id!r} failed", "exception": exc}
+            )
 
     def _track(self, tf: TransferFuture) -> None:
         in_flight = self._in_flight

@@ -546,3 +546,46 @@ async def test_without_partial_option_hits_are_block_multiples() -> None:
         t2 = off.open("t2", [*turn1, 40, 41, 42, 7])
         assert await t2.lookup() == 8
         await t2.abort()
+
+
+async def test_stepping_without_load_releases_the_lookup_pins() -> None:
+    """An engine may ignore a hit (e.g. no free blocks) and prefill from scratch: the pins must not outlive
+    that decision, or the entries would stay unevictable for the whole request."""
+    eng = SimEngine(block_size=4)
+    prompt = list(range(9))
+    async with _offloader(eng) as off:
+        seed = off.open("seed", prompt)
+        await seed.lookup()
+        blocks = await _prefill_and_decode(eng, seed, prompt, [1])
+        await seed.finish()
+        eng.release(blocks)
+        req = off.open("r", prompt)
+        assert await req.lookup() == 8
+        assert off.cpu.stats().pinned == 2
+        blocks = await _prefill_and_decode(eng, req, prompt, [1])  # recompute, no load()
+        await req.preempt()  # resolves after the request task processed every earlier event
+        assert off.cpu.stats().pinned == 0
+        eng.release(blocks)
+        await req.abort()
+
+
+async def test_a_store_that_cannot_be_submitted_never_hangs_finish(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> None:
+        raise RuntimeError("injected submission bug")
+
+    eng = SimEngine(block_size=4)
+    reported: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+    try:
+        async with _offloader(eng) as off:
+            monkeypatch.setattr(off, "_store_blocks", broken)
+            req = off.open("r", list(range(9)))
+            await req.lookup()
+            blocks = await _prefill_and_decode(eng, req, list(range(9)), [1])
+            await req.finish()
+            eng.release(blocks)
+            assert off.stats().store_errors == 1
+            assert off.stats().blocks_stored == 0
+    finally:
+        asyncio.get_running_loop().set_exception_handler(None)
+    assert any("store for request 'r' failed" in ctx["message"] for ctx in reported)
