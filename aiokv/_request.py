@@ -52,6 +52,7 @@ class _Ev(enum.Enum):
     PREEMPT = 4
     FINISH = 5
     ABORT = 6
+    BARRIER = 7
 
 
 class _Completion:
@@ -252,6 +253,12 @@ class Request:
             # The block list is only ever appended to (preempt/load replace it), so positions < full are stable.
             self._post_nowait(_Ev.STORE, (start, full, blocks))
 
+    def wait_processed(self) -> _Completion:
+        """Resolve once the request's task has processed every event posted before this call (stores of
+        earlier steps are then submitted, though not necessarily complete). For tests and diagnostics."""
+        self._check_alive("wait_processed")
+        return self._post(_Ev.BARRIER, None)
+
     def finish(self) -> _Completion:
         """End the request. Every full, computed block is stored (including the one completed by the last
         step); resolves once every engine block of this request may be reused."""
@@ -368,6 +375,10 @@ class Request:
                         self._stored_upto = 0
                         if self.state is RequestState.LOADING:
                             self.state = RequestState.WAITING
+                    continue
+                if kind is _Ev.BARRIER:
+                    if fut is not None and not fut.done():
+                        fut.set_result(None)
                     continue
                 try:
                     if kind is _Ev.LOOKUP:

@@ -563,10 +563,10 @@ async def test_stepping_without_load_releases_the_lookup_pins() -> None:
         assert await req.lookup() == 8
         assert off.cpu.stats().pinned == 2
         blocks = await _prefill_and_decode(eng, req, prompt, [1])  # recompute, no load()
-        await req.preempt()  # resolves after the request task processed every earlier event
+        await req.wait_processed()
         assert off.cpu.stats().pinned == 0
+        await req.finish()
         eng.release(blocks)
-        await req.abort()
 
 
 async def test_a_store_that_cannot_be_submitted_never_hangs_finish(monkeypatch: pytest.MonkeyPatch) -> None:
