@@ -39,8 +39,9 @@ class CudaCopyStream:
     the event loop never blocks on the GPU.
     """
 
-    def __init__(self, device: torch.device, name: str) -> None:
+    def __init__(self, device: torch.device, name: str, compute_stream: Any = None) -> None:
         self.device = device
+        self._compute = compute_stream  # None: the current stream of the submitting thread
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self._name = name
         self._cv = threading.Condition()
@@ -56,7 +57,7 @@ class CudaCopyStream:
         *,
         after_compute: bool,
     ) -> torch.cuda.Event:
-        compute = torch.cuda.current_stream(self.device)
+        compute = self._compute if self._compute is not None else torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             if after_compute:
                 # Stores read blocks the engine just wrote: order them after its queued kernels.
@@ -104,7 +105,7 @@ class CudaTransferBackend:
     ``cudaMemcpyAsync`` each. A load is the mirror image (host runs -> staging -> ``index_copy_``).
     """
 
-    def __init__(self, layout: Any, host: torch.Tensor) -> None:
+    def __init__(self, layout: Any, host: torch.Tensor, compute_stream: Any = None) -> None:
         self._layout = layout
         self._device = layout.device
         slot_bytes = layout.slot_bytes
@@ -115,8 +116,8 @@ class CudaTransferBackend:
             u8 = t.view(torch.uint8).movedim(layout.block_dim, 0)
             width = spec.outer * spec.inner_bytes
             self._views.append((u8, spec.slot_offset, width, tuple(u8.shape[1:])))
-        self._store = CudaCopyStream(self._device, "store")
-        self._load = CudaCopyStream(self._device, "load")
+        self._store = CudaCopyStream(self._device, "store", compute_stream)
+        self._load = CudaCopyStream(self._device, "load", compute_stream)
 
     @staticmethod
     def _runs(block_ids: list[int], slot_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -65,7 +65,8 @@ class KVLayout:
 
     ``block_size`` is the number of tokens per block; ``block_dim`` the dimension indexing blocks (0 for vLLM's
     per-layer K and V tensors, 1 for a stacked ``(2, num_blocks, ...)`` tensor). ``model_id`` is mixed into the
-    hash root so caches of different models never match.
+    hash root so caches of different models never match; under tensor parallelism include the rank in it
+    (ranks hold different heads with identical shapes).
     """
 
     def __init__(

@@ -45,6 +45,9 @@ class Offloader:
         store_partial_last_block: also store a request's partially filled last block at finish/preempt (under
             a key that commits to exactly its tokens). ``lookup()`` may then return a count that is not a
             multiple of ``block_size``: the last loaded block is partially filled. CPU tier only.
+        compute_stream: CUDA only: the stream the engine's forward writes the KV on. Copies are ordered after
+            it. ``None`` uses the current stream of the thread that runs the offloader's loop; pass the stream
+            explicitly when the forward runs on another stream or thread.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class Offloader:
         write_through_max_bytes: int = 256 << 20,
         close_timeout: float = 30.0,
         store_partial_last_block: bool = False,
+        compute_stream: Any = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidTypeError(f"layout must be an aiokv.KVLayout, got {type(layout).__name__}")
@@ -83,6 +87,7 @@ class Offloader:
         self.layout = layout
         self.block_size = layout.block_size
         self.store_partial_last_block = bool(store_partial_last_block)
+        self._compute_stream = compute_stream
         self.cpu: CPUTier = tiers[0]
         self.cpu.bind(layout, eviction)  # allocates the host buffer; raises CapacityError if too small
         self.lower: tuple[BackingTier, ...] = tuple(tiers[1:])  # type: ignore[arg-type]
@@ -113,7 +118,9 @@ class Offloader:
         if self._state != "new":
             raise ClosedError(f"offloader cannot be started twice (it is {self._state})")
         self._loop = asyncio.get_running_loop()
-        self._executor = TransferExecutor(self.layout, self.cpu.buffer, self._loop)
+        self._executor = TransferExecutor(
+            self.layout, self.cpu.buffer, self._loop, compute_stream=self._compute_stream
+        )
         spec = TierSpec(
             payload_bytes=self.layout.slot_bytes,
             fingerprint=self.layout.fingerprint,

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,7 +36,14 @@ class TransferExecutor:
     compute stream); on CPU they are worker threads running a GIL-free memcpy kernel.
     """
 
-    def __init__(self, layout: KVLayout, host: torch.Tensor, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        host: torch.Tensor,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        compute_stream: Any = None,
+    ) -> None:
         if host.dtype != torch.uint8 or host.dim() != 1 or not host.is_contiguous():
             raise ValueError("host buffer must be a contiguous 1-d uint8 tensor")
         self._layout = layout
@@ -51,7 +59,7 @@ class TransferExecutor:
         if layout.is_cuda:
             from .._cuda import CudaTransferBackend
 
-            self._cuda: CudaTransferBackend | None = CudaTransferBackend(layout, host)
+            self._cuda: CudaTransferBackend | None = CudaTransferBackend(layout, host, compute_stream)
             self._streams: tuple[CPUStream, CPUStream] | None = None
         else:
             self._cuda = None
