@@ -47,6 +47,15 @@ async def _prefill_and_decode(
     return blocks
 
 
+async def _seed(eng: SimEngine, off: Offloader, prompt: list[int]) -> None:
+    """Serve ``prompt`` once (prefill, one sampled token, finish) so its full blocks are cached."""
+    seed = off.open("seed", prompt)
+    await seed.lookup()
+    blocks = await _prefill_and_decode(eng, seed, prompt, [1])
+    await seed.finish()
+    eng.release(blocks)
+
+
 async def test_block_completed_by_final_step_is_stored() -> None:
     """Block 16, prompt 30, three sampled tokens: the final decode step completes block 1 (tokens 16..31)
     and the request finishes in the same breath. vLLM dropped that block; it must be stored here."""
@@ -187,11 +196,7 @@ async def test_cancelled_load_before_submission_leaves_no_trace(monkeypatch: pyt
     eng = SimEngine(block_size=4)
     prompt = list(range(9))
     async with _offloader(eng) as off:
-        seed = off.open("seed", prompt)
-        await seed.lookup()
-        blocks = await _prefill_and_decode(eng, seed, prompt, [1])
-        await seed.finish()
-        eng.release(blocks)
+        await _seed(eng, off, prompt)
 
         req = off.open("r", prompt)
         assert await req.lookup() == 8
@@ -226,11 +231,7 @@ async def test_cancelled_load_after_submission_keeps_blocks_guarded(monkeypatch:
     eng = SimEngine(block_size=4)
     prompt = list(range(9))
     async with _offloader(eng) as off:
-        seed = off.open("seed", prompt)
-        await seed.lookup()
-        blocks = await _prefill_and_decode(eng, seed, prompt, [1])
-        await seed.finish()
-        eng.release(blocks)
+        await _seed(eng, off, prompt)
 
         gate.close()
         req = off.open("r", prompt)
@@ -554,11 +555,7 @@ async def test_stepping_without_load_releases_the_lookup_pins() -> None:
     eng = SimEngine(block_size=4)
     prompt = list(range(9))
     async with _offloader(eng) as off:
-        seed = off.open("seed", prompt)
-        await seed.lookup()
-        blocks = await _prefill_and_decode(eng, seed, prompt, [1])
-        await seed.finish()
-        eng.release(blocks)
+        await _seed(eng, off, prompt)
         req = off.open("r", prompt)
         assert await req.lookup() == 8
         assert off.cpu.stats().pinned == 2
