@@ -134,6 +134,14 @@ static PyObject *copy_segments(PyObject *self, PyObject *args) {
                 if (off + 2 * (size_t)chunk < runs[k]) {
                     const char *pf = sps[k] + off + 2 * (size_t)chunk;
                     for (size_t q = 0; q < (size_t)chunk; q += 64) __builtin_prefetch(pf + q, 0, 0);
+                } else if (i + k < n) {
+                    /* This run is ending: warm the head of a segment of the next group instead, so the next
+                     * group does not start with every stream cold (measured: 16 KiB gathers 0.88 -> 0.98). */
+                    size_t ahead = off + 2 * (size_t)chunk - runs[k];
+                    if ((size_t)l[i + k] > ahead) {
+                        const char *pf = (const char *)(intptr_t)s[i + k] + ahead;
+                        for (size_t q = 0; q < (size_t)chunk; q += 64) __builtin_prefetch(pf + q, 0, 0);
+                    }
                 }
                 copy_stream(dps[k] + off, sps[k] + off, c);
             }
