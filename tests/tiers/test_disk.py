@@ -179,6 +179,28 @@ async def test_corrupt_payload_byte_misses_only_that_entry(tmp_path: Path) -> No
 
 
 @pytest.mark.asyncio
+async def test_multi_run_reads_verify_in_order_while_reading_ahead(tmp_path: Path) -> None:
+    """Keys in reverse slot order make every entry its own run, so checksums run on the verifier thread
+    while the next run is read; the result must still stop exactly at the corrupt entry."""
+    keys, data = make_keys(6), make_payloads(6)
+    tier = await open_tier(tmp_path)
+    assert await tier.write(keys, data) == 6
+    rev_keys, rev_data = keys[::-1], data[::-1]
+    outs = make_outs(6)
+    assert await tier.read_into(rev_keys, outs) == 6
+    assert [bytes(o) for o in outs] == [bytes(d) for d in rev_data]
+
+    flip_byte(segment(tmp_path), 2 * tier.stats().entry_bytes + HEADER_SIZE + 7)
+    outs = make_outs(6)
+    assert await tier.read_into(rev_keys, outs) == 3  # entries 5, 4, 3 pass; entry 2 is corrupt
+    assert [bytes(o) for o in outs[:3]] == [bytes(d) for d in rev_data[:3]]
+    assert tier.stats().corrupt == 1
+    assert await tier.lookup(keys[2:3]) == 0
+    assert await tier.lookup(keys[:2]) == 2
+    await tier.aclose()
+
+
+@pytest.mark.asyncio
 async def test_corrupt_header_is_dropped_at_recovery(tmp_path: Path) -> None:
     keys, data = make_keys(3), make_payloads(3)
     tier = await open_tier(tmp_path)
