@@ -20,7 +20,7 @@ def test_readme_example_runs_as_written(tmp_path: Path) -> None:
     assert blocks, "README has no python example"
     script = tmp_path / "readme_example.py"
     script.write_text(blocks[0])
-    assert len(blocks[0].splitlines()) <= 30
+    assert len(blocks[0].splitlines()) <= 25
     proc = _run([str(script)])
     assert proc.returncode == 0, proc.stderr
     assert "restored 32 tokens" in proc.stdout
