@@ -12,11 +12,13 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from aiokv._errors import CapacityError, ClosedError, InvalidArgumentError, TierLockedError
 from aiokv.tiers import _disk
+from aiokv.tiers import _disk as disk_mod
 from aiokv.tiers._base import TierSpec
 from aiokv.tiers._disk import LOCK_NAME, META_NAME, DiskTier
 from aiokv.tiers._format import HEADER_SIZE, TierHealth
@@ -197,6 +199,42 @@ async def test_multi_run_reads_verify_in_order_while_reading_ahead(tmp_path: Pat
     assert tier.stats().corrupt == 1
     assert await tier.lookup(keys[2:3]) == 0
     assert await tier.lookup(keys[:2]) == 2
+    await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_warm_reads_split_over_io_threads_keep_prefix_semantics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries in the page cache are read by several I/O threads at once; the result is still the verified
+    leading run, and a corrupt entry in a later part stops the count exactly there."""
+    monkeypatch.setattr(disk_mod, "_SPLIT_BYTES", 2 * PB)  # split even these small reads
+    calls: list[int] = []
+    real_read = disk_mod._Files.read
+
+    def spy(self: Any, slots: list[int], keys: list[bytes], outs: Any) -> Any:
+        calls.append(len(slots))
+        return real_read(self, slots, keys, outs)
+
+    monkeypatch.setattr(disk_mod._Files, "read", spy)
+    keys, data = make_keys(8), make_payloads(8)
+    tier = await open_tier(tmp_path)
+    assert await tier.write(keys, data) == 8  # just written: in the page cache
+    if not tier._files.resident(tier._index.slot(keys[0])):  # type: ignore[union-attr]
+        await tier.aclose()
+        pytest.skip("this filesystem cannot probe the page cache (RWF_NOWAIT); reads are never split")
+    outs = make_outs(8)
+    assert await tier.read_into(keys, outs) == 8
+    assert [bytes(o) for o in outs] == [bytes(d) for d in data]
+    assert len(calls) > 1  # the read really was split
+    calls.clear()
+    flip_byte(segment(tmp_path), 5 * tier.stats().entry_bytes + HEADER_SIZE + 99)
+    outs = make_outs(8)
+    assert await tier.read_into(keys, outs) == 5
+    assert [bytes(o) for o in outs[:5]] == [bytes(d) for d in data[:5]]
+    assert len(calls) > 1
+    assert tier.stats().corrupt == 1
+    assert await tier.lookup(keys) == 5
     await tier.aclose()
 
 
@@ -390,10 +428,10 @@ def failing_io(monkeypatch: pytest.MonkeyPatch) -> dict[str, int | None]:
             raise OSError(fail["write"], os.strerror(fail["write"]))
         return real_pwritev(fd, bufs, offset)  # type: ignore[arg-type]
 
-    def preadv(fd: int, bufs: list[object], offset: int) -> int:
+    def preadv(fd: int, bufs: list[object], offset: int, *flags: int) -> int:
         if fail["read"] is not None:
             raise OSError(fail["read"], os.strerror(fail["read"]))
-        return real_preadv(fd, bufs, offset)  # type: ignore[arg-type]
+        return real_preadv(fd, bufs, offset, *flags)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "pwritev", pwritev)
     monkeypatch.setattr(os, "preadv", preadv)
