@@ -105,6 +105,15 @@ async def _serve(eng: SimEngine, off: Offloader, rid: str, tokens: list[int], sa
     eng.release(blocks)
 
 
+async def _publish(tier: MemoryTier, tokens: list[int]) -> None:
+    """Another process serves ``tokens`` with ``tier`` below its CPU tier and exits: the tier holds its blocks."""
+    eng = SimEngine(block_size=4)
+    async with _off(eng, 64, tier) as a:
+        await _serve(eng, a, "a", tokens)
+        await a.flush()
+    tier.closed = False  # reused by the next offloader in this test
+
+
 def _off(eng: SimEngine, cpu_blocks: int, *lower: BackingTier, **kw: object) -> Offloader:
     return Offloader(
         eng.layout, tiers=[CPUTier(capacity_bytes=cpu_blocks * eng.layout.slot_bytes), *lower], **kw
@@ -171,9 +180,7 @@ async def test_corrupt_lower_tier_entry_truncates_the_hit() -> None:
     shared = MemoryTier()
     eng = SimEngine(block_size=4)
     tokens = list(range(17))
-    async with _off(eng, 64, shared) as a:
-        await _serve(eng, a, "a", tokens)
-        await a.flush()
+    await _publish(shared, tokens)
     chain = aiokv.block_hashes(tokens, 4, root=eng.layout.root)
     shared.corrupt.add(chain[2])
     eng2 = SimEngine(block_size=4)
@@ -246,11 +253,8 @@ async def test_aclose_bounds_the_wait_for_a_hung_tier() -> None:
 async def test_blocks_staged_from_a_slower_tier_are_promoted_to_faster_lower_tiers() -> None:
     """A Redis-like hit on a machine whose disk-like tier lacks the blocks lands on that disk tier too."""
     disk, remote = MemoryTier(), MemoryTier()
-    eng = SimEngine(block_size=4)
     tokens = list(range(13))
-    async with _off(eng, 64, remote) as a:  # another machine: writes only the shared tier
-        await _serve(eng, a, "a", tokens)
-        await a.flush()
+    await _publish(remote, tokens)  # another machine: writes only the shared tier
     assert len(remote.data) == 3
     eng2 = SimEngine(block_size=4)
     async with _off(eng2, 64, disk, remote) as b:
