@@ -2,57 +2,118 @@
 
     aiokv replay TRACE [--tiers cpu=64GiB,disk=1TiB] [--policy lru,arc,chain-lru] [--sweep cpu=auto] ...
 
-See docs/replay.md.
+See docs/replay.md. Every option and the whole trace are validated before the first replay: a bad input stops
+the command with one ``aiokv replay: error: ...`` line on stderr and exit status 2, never a traceback.
+
+Only the standard library and ``aiokv._errors`` are imported at module level; ``--help`` adds the replay
+modules (for the model presets), and rich and matplotlib are imported by the run that uses them.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._errors import AiokvError, InvalidArgumentError, MissingDependencyError
 
+if TYPE_CHECKING:
+    from .replay import CostModel, ReplayResult, TierConfig, Trace
+
 __all__ = ["main"]
+
+_VERSION_FALLBACK = "0.1.0"
+"""Shown by ``--version`` when aiokv is run from a source tree that is not installed."""
+
+_MAX_BLOCK_TOKENS = 1 << 20
+_MAX_KV_BYTES_PER_TOKEN = 1 << 30
+_TIER_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # printed in rich tables, where brackets are markup
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("aiokv")
+    except PackageNotFoundError:
+        return _VERSION_FALLBACK
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: ``PROG: error: MESSAGE``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)}\n")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the installed distribution's version, looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"aiokv {_version()}")
+        parser.exit()
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split("\n"))
 
 
 # ------------------------------------------------------------------------------------------------- replay
 def _parse_assignments(text: str, what: str) -> list[tuple[str, str]]:
-    """``"cpu=64GiB,disk=1TiB"`` -> ``[("cpu", "64GiB"), ("disk", "1TiB")]``."""
+    """``"cpu=64GiB,disk=1TiB"`` -> ``[("cpu", "64GiB"), ("disk", "1TiB")]``; a name may appear once."""
     out: list[tuple[str, str]] = []
     for part in text.split(","):
         name, sep, value = part.partition("=")
         if not sep or not name.strip() or not value.strip():
             raise InvalidArgumentError(f"{what} must look like name=value[,name=value...], got {text!r}")
+        if name.strip() in (n for n, _ in out):
+            raise InvalidArgumentError(f"{what} must name {name.strip()!r} only once, got {text!r}")
         out.append((name.strip(), value.strip()))
     return out
 
 
+_SYNTHETIC_INTS = ("sessions", "turns", "system_prompts", "system_blocks", "seed")
+_SYNTHETIC_FLOATS = ("sessions_per_s", "think_s")
+
+
 def _synthetic_kwargs(spec: str) -> dict[str, Any]:
-    """``synthetic:sessions=100,turns=4,seed=1`` -> keyword arguments of :func:`synthetic_trace`."""
+    """``synthetic:sessions=100,turns=4,seed=1`` -> keyword arguments of :func:`synthetic_trace` (which
+    validates their values)."""
     _, _, rest = spec.partition(":")
     if not rest:
         return {}
     kwargs: dict[str, Any] = {}
-    ints = {"sessions", "turns", "system_prompts", "system_blocks", "seed"}
-    floats = {"sessions_per_s", "think_s"}
+    names = sorted(_SYNTHETIC_INTS + _SYNTHETIC_FLOATS)
     for name, value in _parse_assignments(rest, "synthetic trace options"):
-        if name not in ints | floats:
-            raise InvalidArgumentError(
-                f"synthetic trace option must be one of {sorted(ints | floats)}, got {name!r}"
-            )
-        try:
-            kwargs[name] = int(value) if name in ints else float(value)
-        except ValueError:
-            raise InvalidArgumentError(
-                f"synthetic trace option {name} must be a number, got {value!r}"
-            ) from None
+        if name not in names:
+            raise InvalidArgumentError(f"synthetic trace option must be one of {names}, got {name!r}")
+        if name in _SYNTHETIC_INTS:
+            try:
+                kwargs[name] = int(value)
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"synthetic trace option {name} must be an int, got {value!r}"
+                ) from None
+        else:
+            try:
+                kwargs[name] = float(value)
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"synthetic trace option {name} must be a number, got {value!r}"
+                ) from None
     return kwargs
 
 
 def _add_replay(sub: Any) -> None:
-    from .replay import MODEL_PRESETS
+    from .replay._model import MODEL_PRESETS
 
     p = sub.add_parser(
         "replay",
@@ -60,8 +121,12 @@ def _add_replay(sub: Any) -> None:
         description=(
             "Replay a request trace through aiokv's block index and eviction policies (one index per tier, "
             "transfers replaced by a bandwidth model) and report hit ratios, bytes moved and an estimated "
-            "TTFT saving. TRACE is a JSONL file (rows with hash_ids, token_ids or prompt) or "
-            "'synthetic[:sessions=N,turns=N,seed=N,...]'."
+            "TTFT saving. TRACE is a JSONL file (rows with hash_ids, token_ids or prompt; at most 1 MiB per "
+            "line and 65,536 hash_ids per row) or 'synthetic[:sessions=N,turns=N,seed=N,...]'."
+        ),
+        epilog=(
+            "Options and the whole trace are checked before replaying: a bad value or a bad trace line "
+            "stops the command with one error line (file:line for the trace) and exit status 2."
         ),
     )
     p.add_argument("trace", metavar="TRACE")
@@ -69,7 +134,12 @@ def _add_replay(sub: Any) -> None:
         "--tiers", default="cpu=64GiB", help="tiers fastest first, NAME=SIZE,... (default: %(default)s)"
     )
     p.add_argument("--policy", default="lru", help="eviction policy, or a comma-separated list to compare")
-    p.add_argument("--block-tokens", type=int, default=512, help="tokens per block (default: %(default)s)")
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=512,
+        help=f"tokens per block, 1 to {_MAX_BLOCK_TOKENS} (default: %(default)s)",
+    )
     p.add_argument(
         "--model",
         choices=sorted(MODEL_PRESETS),
@@ -100,40 +170,118 @@ def _add_replay(sub: Any) -> None:
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument(
-        "--plot", default=None, metavar="PNG", help="save hit ratio vs capacity per policy (matplotlib)"
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="save hit ratio vs capacity per policy (matplotlib; .png, .svg, .pdf, ...)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run_replay)
 
 
-def _parse_sweep(text: str, first_tier: str) -> tuple[str, list[str]]:
+@dataclass(frozen=True, slots=True)
+class _ReplayPlan:
+    """What ``aiokv replay`` runs, derived from validated options before the trace is read."""
+
+    policies: list[str]
+    tiers: list[TierConfig]
+    sweep_tier: str
+    sweep_sizes: list[int | None] | None  # None: auto, from the trace's footprint
+    kv_bytes_per_token: int
+    model_name: str
+    model_desc: str
+    cost: CostModel
+    have_rich: bool
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Range checks of the numeric options (each bound keeps every derived figure a finite float)."""
+    if not 1 <= args.block_tokens <= _MAX_BLOCK_TOKENS:
+        raise InvalidArgumentError(
+            f"block-tokens must be in [1, {_MAX_BLOCK_TOKENS}], got {args.block_tokens}"
+        )
+    kv = args.kv_bytes_per_token
+    if kv is not None and not 1 <= kv <= _MAX_KV_BYTES_PER_TOKEN:
+        raise InvalidArgumentError(f"kv-bytes-per-token must be in [1, {_MAX_KV_BYTES_PER_TOKEN}], got {kv}")
+    speed = args.prefill_tokens_per_s
+    if speed is not None and not (math.isfinite(speed) and speed > 0):
+        raise InvalidArgumentError(
+            f"prefill-tokens-per-s must be > 0 and finite, got {repr(speed).removesuffix('.0')}"
+        )
+    if args.inflight < 0:
+        raise InvalidArgumentError(f"inflight must be >= 0, got {args.inflight}")
+    if args.limit is not None and args.limit < 1:
+        raise InvalidArgumentError(f"limit must be >= 1, got {args.limit}")
+
+
+def _parse_policies(text: str) -> list[str]:
+    from .tiers._policies import policy_names
+
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if not policies:
+        raise InvalidArgumentError(f"policy must name at least one policy, got {text!r}")
+    for name in policies:
+        if name not in policy_names():
+            raise InvalidArgumentError(f"policy must be one of {policy_names()}, got {name!r}")
+        if policies.count(name) > 1:
+            raise InvalidArgumentError(f"policy must name {name!r} only once, got {text!r}")
+    return policies
+
+
+def _parse_tiers(tiers_text: str, bandwidth_text: str | None) -> list[TierConfig]:
+    from .replay import TierConfig, parse_bandwidth, parse_size
+
+    bandwidths: dict[str, float] = {}
+    if bandwidth_text is not None:
+        for name, value in _parse_assignments(bandwidth_text, "bandwidth"):
+            bandwidths[name] = parse_bandwidth(value, what=f"bandwidth of tier {name!r}")
+    tiers: list[TierConfig] = []
+    for name, value in _parse_assignments(tiers_text, "tiers"):
+        if not _TIER_NAME.fullmatch(name):
+            raise InvalidArgumentError(f"tier name must be letters, digits, '_', '-' or '.', got {name!r}")
+        tiers.append(
+            TierConfig(name, parse_size(value, what=f"capacity of tier {name!r}"), bandwidths.get(name))
+        )
+    unknown = set(bandwidths) - {t.name for t in tiers}
+    if unknown:
+        raise InvalidArgumentError(f"bandwidth names tiers that are not in --tiers: {sorted(unknown)}")
+    for t in tiers:
+        t.resolved_bandwidth()
+    return tiers
+
+
+def _parse_sweep(text: str, tiers: Sequence[TierConfig]) -> tuple[str, list[int | None] | None]:
+    """``TIER=SIZE,SIZE...`` or ``TIER=auto`` (``TIER=`` may be left out for the first tier) -> the tier and
+    its capacities, ``None`` for auto."""
+    from .replay import parse_size
+
+    names = [t.name for t in tiers]
     if "=" in text:
         tier, _, values = text.partition("=")
+        tier = tier.strip()
     else:
-        tier, values = first_tier, text
-    items = [v.strip() for v in values.split(",") if v.strip()]
-    if not tier.strip() or not items:
+        tier, values = names[0], text
+    items = [v.strip() for v in values.split(",")]
+    if not tier or not all(items):
         raise InvalidArgumentError(f"sweep must look like TIER=SIZE,SIZE... or TIER=auto, got {text!r}")
-    return tier.strip(), items
+    if tier not in names:
+        raise InvalidArgumentError(f"sweep tier must be one of the tiers {names}, got {tier!r}")
+    if items == ["auto"]:
+        return tier, None
+    if "auto" in items:
+        raise InvalidArgumentError(f"sweep must be TIER=auto alone or TIER=SIZE,SIZE..., got {text!r}")
+    sizes: list[int | None] = []
+    for item in items:
+        size = parse_size(item, what=f"sweep capacity of tier {tier!r}")
+        if size in sizes:
+            raise InvalidArgumentError(f"sweep must list each capacity once, got {item!r} again in {text!r}")
+        sizes.append(size)
+    return tier, sizes
 
 
-def _run_replay(args: argparse.Namespace) -> int:
-    from .replay import (
-        MODEL_PRESETS,
-        TTFT_FORMULA,
-        CostModel,
-        TierConfig,
-        auto_capacities,
-        format_size,
-        load_trace,
-        max_prefix_reuse,
-        parse_bandwidth,
-        parse_size,
-        sweep,
-        synthetic_trace,
-    )
-    from .replay._report import require_matplotlib, results_json, results_table, save_plot, tier_table
-    from .tiers._policies import policy_names
+def _check_output(args: argparse.Namespace) -> bool:
+    """Check the output dependencies and the plot path; returns whether rich is installed."""
+    from .replay._report import check_plot_path, require_matplotlib
 
     try:
         import rich  # noqa: F401
@@ -145,99 +293,120 @@ def _run_replay(args: argparse.Namespace) -> int:
         raise MissingDependencyError(
             "aiokv replay needs rich for its tables; pip install 'aiokv[cli]' or pass --json"
         )
-    if args.plot:
+    if args.plot is not None:
         require_matplotlib()
+        check_plot_path(args.plot)
+    return have_rich
 
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    for name in policies:
-        if name not in policy_names():
-            raise InvalidArgumentError(f"policy must be one of {policy_names()}, got {name!r}")
-    if not policies:
-        raise InvalidArgumentError("policy must name at least one policy")
-    if args.limit is not None and args.limit < 1:
-        raise InvalidArgumentError(f"limit must be >= 1, got {args.limit}")
 
+def _plan_replay(args: argparse.Namespace) -> _ReplayPlan:
+    """Validate every option (nothing is read or replayed yet)."""
+    from .replay import MODEL_PRESETS, CostModel, TierConfig
+    from .replay._sim import check_capacity
+
+    have_rich = _check_output(args)
+    _check_numbers(args)
+    policies = _parse_policies(args.policy)
     model_name = args.model or "llama3-8b"
     model = MODEL_PRESETS[model_name]
     kv = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else model.kv_bytes_per_token
-    if kv <= 0:
-        raise InvalidArgumentError(f"kv-bytes-per-token must be > 0, got {kv}")
-    cost = CostModel(args.prefill_tokens_per_s or model.prefill_tokens_per_s)
+    speed = args.prefill_tokens_per_s if args.prefill_tokens_per_s is not None else model.prefill_tokens_per_s
+    tiers = _parse_tiers(args.tiers, args.bandwidth)
+    sweep_tier, sweep_sizes = tiers[0].name, None
+    if args.sweep is not None:
+        sweep_tier, sweep_sizes = _parse_sweep(args.sweep, tiers)
+    fixed = [t for t in tiers if args.sweep is None or t.name != sweep_tier]
+    for t in fixed + [TierConfig(sweep_tier, size) for size in sweep_sizes or ()]:
+        check_capacity(t, block_tokens=args.block_tokens, kv_bytes_per_token=kv)
+    if args.kv_bytes_per_token is None:
+        model_desc = model_name + (" (default)" if args.model is None else "")
+    else:
+        model_desc = f"{kv} KV bytes/token"
+    return _ReplayPlan(
+        policies=policies,
+        tiers=tiers,
+        sweep_tier=sweep_tier,
+        sweep_sizes=sweep_sizes,
+        kv_bytes_per_token=kv,
+        model_name=model_name,
+        model_desc=model_desc,
+        cost=CostModel(speed),
+        have_rich=have_rich,
+    )
 
-    bandwidths: dict[str, float] = {}
-    if args.bandwidth:
-        for name, value in _parse_assignments(args.bandwidth, "bandwidth"):
-            bandwidths[name] = parse_bandwidth(value, what=f"bandwidth of tier {name!r}")
-    tiers = [
-        TierConfig(name, parse_size(value, what=f"capacity of tier {name!r}"), bandwidths.get(name))
-        for name, value in _parse_assignments(args.tiers, "tiers")
-    ]
-    unknown = set(bandwidths) - {t.name for t in tiers}
-    if unknown:
-        raise InvalidArgumentError(f"bandwidth names tiers that are not in --tiers: {sorted(unknown)}")
-    for t in tiers:
-        t.resolved_bandwidth()  # fail before a long run
+
+def _load_trace(args: argparse.Namespace) -> Trace:
+    """Read (or generate) the trace; refuse one without a single block to replay."""
+    from .replay import Trace, load_trace, synthetic_trace
 
     if args.trace == "synthetic" or args.trace.startswith("synthetic:"):
         trace = synthetic_trace(block_tokens=args.block_tokens, **_synthetic_kwargs(args.trace))
         if args.limit is not None:
-            trace = type(trace).from_requests(trace.name, trace.block_tokens, trace.requests[: args.limit])
+            trace = Trace.from_requests(trace.name, trace.block_tokens, trace.requests[: args.limit])
+        shown = trace.name
     else:
         trace = load_trace(args.trace, block_tokens=args.block_tokens, limit=args.limit)
-    block_bytes = trace.block_tokens * kv
+        shown = args.trace if args.trace.isprintable() else repr(args.trace)
+    if trace.block_refs == 0:
+        raise InvalidArgumentError(
+            f"trace {shown} holds no full block of {trace.block_tokens} tokens (see --block-tokens)"
+        )
+    return trace
 
-    sweep_tier = tiers[0].name
+
+def _execute(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace) -> list[ReplayResult]:
+    """One replay per (policy, capacity), under a progress bar on stderr unless ``--no-progress``."""
+    from .replay import auto_capacities, sweep
+
+    block_bytes = trace.block_tokens * plan.kv_bytes_per_token
     capacities: list[int | None]
-    if args.sweep:
-        sweep_tier, items = _parse_sweep(args.sweep, tiers[0].name)
-        if items == ["auto"]:
-            capacities = list(auto_capacities(trace, block_bytes))
-        else:
-            capacities = [parse_size(v, what=f"sweep capacity of tier {sweep_tier!r}") for v in items]
+    if args.sweep is None:
+        capacities = [next(t.capacity_bytes for t in plan.tiers if t.name == plan.sweep_tier)]
+    elif plan.sweep_sizes is None:
+        capacities = list(auto_capacities(trace, block_bytes))
     else:
-        capacities = [next((t.capacity_bytes for t in tiers if t.name == sweep_tier), None)]
+        capacities = plan.sweep_sizes
 
-    reuse = max_prefix_reuse(trace.requests)
-    reuse_ratio = reuse / trace.block_refs if trace.block_refs else 0.0
-    total_refs = trace.block_refs * len(policies) * len(capacities)
-
-    def run(progress: Callable[[int], None] | None) -> list[Any]:
+    def run(progress: Callable[[int], None] | None) -> list[ReplayResult]:
         return sweep(
             trace,
-            tiers,
-            policies=policies,
-            sweep_tier=sweep_tier,
+            plan.tiers,
+            policies=plan.policies,
+            sweep_tier=plan.sweep_tier,
             capacities=capacities,
-            kv_bytes_per_token=kv,
-            cost=cost,
+            kv_bytes_per_token=plan.kv_bytes_per_token,
+            cost=plan.cost,
             inflight=args.inflight,
             progress=progress,
         )
 
-    show_progress = have_rich and not args.no_progress
-    if show_progress:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    if not plan.have_rich or args.no_progress:
+        return run(None)
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        with Progress(
-            TextColumn("replaying {task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("block refs"),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        ) as bar:
-            task = bar.add_task(trace.name, total=total_refs)
-            results = run(lambda n: bar.advance(task, n))
-    else:
-        results = run(None)
+    with Progress(
+        TextColumn("replaying {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("block refs"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(escape(trace.name), total=trace.block_refs * len(plan.policies) * len(capacities))
+        return run(lambda n: bar.advance(task, n))
 
-    model_desc = (
-        f"{model_name}" + (" (default)" if args.model is None else "")
-        if args.kv_bytes_per_token is None
-        else f"{kv} KV bytes/token"
-    )
+
+def _report(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace, results: list[ReplayResult]) -> int:
+    from .replay import TTFT_FORMULA, format_size, max_prefix_reuse
+    from .replay._report import results_json, results_table, save_plot, tier_table
+
+    kv = plan.kv_bytes_per_token
+    block_bytes = trace.block_tokens * kv
+    reuse = max_prefix_reuse(trace.requests)
+    reuse_ratio = reuse / trace.block_refs
     if args.json:
         meta = {
             "trace": {
@@ -250,29 +419,30 @@ def _run_replay(args: argparse.Namespace) -> int:
                 "max_prefix_reuse_blocks": reuse,
                 "max_prefix_reuse_ratio": reuse_ratio,
             },
-            "model": model_name if args.kv_bytes_per_token is None else None,
+            "model": plan.model_name if args.kv_bytes_per_token is None else None,
             "kv_bytes_per_token": kv,
             "block_bytes": block_bytes,
-            "prefill_tokens_per_s": cost.prefill_tokens_per_s,
+            "prefill_tokens_per_s": plan.cost.prefill_tokens_per_s,
             "inflight": args.inflight,
-            "sweep_tier": sweep_tier,
+            "sweep_tier": plan.sweep_tier,
             "ttft_formula": TTFT_FORMULA,
         }
         sys.stdout.write(results_json(results, **meta) + "\n")
     else:
         from rich.console import Console
+        from rich.markup import escape
 
         console = Console(width=None if sys.stdout.isatty() else 160)
         console.print(
-            f"[bold]{trace.name}[/]: {len(trace):,} requests, {trace.block_refs:,} block refs, "
+            f"[bold]{escape(trace.name)}[/]: {len(trace):,} requests, {trace.block_refs:,} block refs, "
             f"{trace.unique_blocks:,} unique blocks ({format_size(trace.unique_blocks * block_bytes)}), "
             f"max prefix reuse {100 * reuse_ratio:.1f}%"
         )
         console.print(
-            f"model {model_desc}: {kv:,} KV bytes/token, {trace.block_tokens}-token blocks of "
-            f"{format_size(block_bytes)}, prefill {cost.prefill_tokens_per_s:,.0f} tokens/s; "
+            f"model {plan.model_desc}: {kv:,} KV bytes/token, {trace.block_tokens}-token blocks of "
+            f"{format_size(block_bytes)}, prefill {plan.cost.prefill_tokens_per_s:,.0f} tokens/s; "
             f"bandwidths "
-            + ", ".join(f"{t.name}={t.resolved_bandwidth() / 1e9:g} GB/s" for t in tiers)
+            + ", ".join(f"{t.name}={t.resolved_bandwidth() / 1e9:g} GB/s" for t in plan.tiers)
             + (f"; {args.inflight} in flight" if args.inflight else "")
         )
         console.print(results_table(results))
@@ -280,14 +450,26 @@ def _run_replay(args: argparse.Namespace) -> int:
             console.print(tier_table(results[0]))
         refs_per_s = sum(r.block_refs for r in results) / max(sum(r.elapsed_s for r in results), 1e-9)
         console.print(f"[dim]{len(results)} run(s), {refs_per_s:,.0f} block refs/s through the index[/]")
-    if args.plot:
-        title = f"{trace.name}, {model_name if args.kv_bytes_per_token is None else model_desc}" + (
+    if args.plot is not None:
+        title = f"{trace.name}, {plan.model_desc.removesuffix(' (default)')}" + (
             f", {args.inflight} in flight" if args.inflight else ""
         )
-        save_plot(results, args.plot, sweep_tier=sweep_tier, max_reuse=reuse_ratio, title=title)
+        try:
+            save_plot(results, args.plot, sweep_tier=plan.sweep_tier, max_reuse=reuse_ratio, title=title)
+        except OSError as exc:  # checked up front; the disk filled or the directory went away since
+            reason = (exc.strerror or str(exc)).lower()
+            print(f"aiokv replay: error: cannot write plot {args.plot!r} ({reason})", file=sys.stderr)
+            return 1
         if not args.json:
             print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    plan = _plan_replay(args)
+    trace = _load_trace(args)
+    results = _execute(args, plan, trace)
+    return _report(args, plan, trace, results)
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -295,23 +477,42 @@ _SUBCOMMANDS: list[Callable[[Any], None]] = [_add_replay]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aiokv", description="aiokv command line tools")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser = _Parser(prog="aiokv", description="aiokv command line tools")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(sub)
     return parser
 
 
+def _silence_stdout() -> None:
+    """After a broken pipe (``aiokv replay ... | head``), send the rest of stdout to /dev/null so the
+    interpreter's final flush does not complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout has no file descriptor (captured)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (usage errors exit 2 through argparse)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     try:
         code: int = args.func(args)
     except AiokvError as exc:
-        print(f"aiokv {args.command}: error: {exc}", file=sys.stderr)
+        print(f"aiokv {args.command}: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # pragma: no cover - e.g. piped into head
+    except BrokenPipeError:
+        _silence_stdout()
         return 1
+    except KeyboardInterrupt:
+        print(f"aiokv {args.command}: interrupted", file=sys.stderr)
+        return 130
     return code
 
 

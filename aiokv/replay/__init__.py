@@ -15,10 +15,22 @@ from ._model import (
     parse_size,
 )
 from ._sim import ReplayResult, TierConfig, TierResult, auto_capacities, replay, sweep
-from ._trace import Trace, TraceRequest, load_trace, max_prefix_reuse, synthetic_trace
+from ._trace import (
+    MAX_HASH_IDS,
+    MAX_LINE_BYTES,
+    MAX_SYNTHETIC_REFS,
+    Trace,
+    TraceRequest,
+    load_trace,
+    max_prefix_reuse,
+    synthetic_trace,
+)
 
 __all__ = [
     "DEFAULT_BANDWIDTHS",
+    "MAX_HASH_IDS",
+    "MAX_LINE_BYTES",
+    "MAX_SYNTHETIC_REFS",
     "MODEL_PRESETS",
     "TTFT_FORMULA",
     "CostModel",

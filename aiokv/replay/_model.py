@@ -18,7 +18,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = [
     "DEFAULT_BANDWIDTHS",
@@ -55,13 +55,16 @@ _UNITS = {
     "tib": 2**40,
     "pib": 2**50,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _INFINITE = {"inf", "infinite", "unlimited"}
+_BITS_RE = re.compile(r"[KMGTP]i?b$")  # "10Gb": gigabits, a network habit
 
 
 def parse_size(text: str, *, what: str = "size") -> int | None:
     """``"64GiB"`` -> 68719476736; decimal (kB, MB, GB, TB) and binary (KiB ... PiB) units, plain bytes, and
-    ``"inf"``/``"unlimited"`` -> ``None`` (no limit)."""
+    ``"inf"``/``"unlimited"`` -> ``None`` (no limit). Fractions of a byte are dropped."""
+    if not isinstance(text, str):
+        raise InvalidTypeError(f"{what} must be a string such as 64GiB, got {type(text).__name__}")
     if text.strip().lower() in _INFINITE:
         return None
     m = _SIZE_RE.match(text)
@@ -71,19 +74,28 @@ def parse_size(text: str, *, what: str = "size") -> int | None:
             f"{what} must be a number of bytes with an optional unit such as 64GiB, got {text!r}"
         )
     value = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value < 1:
+    if math.isinf(value):
+        raise InvalidArgumentError(f"{what} must be a finite number of bytes, got {text!r}")
+    if value < 1:
         raise InvalidArgumentError(f"{what} must be at least 1 byte, got {text!r}")
     return int(value)
 
 
 def parse_bandwidth(text: str, *, what: str = "bandwidth") -> float:
-    """``"25GB/s"`` -> 25e9 bytes per second (the ``/s`` is optional)."""
+    """``"25GB/s"`` -> 25e9 bytes per second (the ``/s`` is optional). Bandwidths are finite and in bytes:
+    ``"10Gb/s"`` (bits) is refused rather than read as bytes."""
+    if not isinstance(text, str):
+        raise InvalidTypeError(f"{what} must be a string such as 25GB/s, got {type(text).__name__}")
     stripped = text.strip()
     if stripped.lower().endswith("/s"):
-        stripped = stripped[:-2]
+        stripped = stripped[:-2].rstrip()
+    if _BITS_RE.search(stripped):
+        raise InvalidArgumentError(
+            f"{what} must be in bytes per second (GB/s, not Gb/s: that is bits), got {text!r}"
+        )
     size = parse_size(stripped, what=what)
     if size is None:
-        return math.inf
+        raise InvalidArgumentError(f"{what} must be finite, got {text!r}")
     return float(size)
 
 
@@ -155,5 +167,8 @@ class CostModel:
     prefill_tokens_per_s: float
 
     def __post_init__(self) -> None:
-        if not self.prefill_tokens_per_s > 0:
-            raise InvalidArgumentError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s!r}")
+        speed = self.prefill_tokens_per_s
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+            raise InvalidTypeError(f"prefill_tokens_per_s must be a number, got {type(speed).__name__}")
+        if not (math.isfinite(speed) and speed > 0):
+            raise InvalidArgumentError(f"prefill_tokens_per_s must be > 0 and finite, got {speed!r}")

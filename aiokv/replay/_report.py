@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import MissingDependencyError
+from .._errors import InvalidArgumentError, MissingDependencyError
 from ._model import TTFT_FORMULA, format_size
 from ._sim import ReplayResult
 
-__all__ = ["require_matplotlib", "results_json", "results_table", "save_plot", "tier_table"]
+__all__ = [
+    "PLOT_FORMATS",
+    "check_plot_path",
+    "require_matplotlib",
+    "results_json",
+    "results_table",
+    "save_plot",
+    "tier_table",
+]
+
+PLOT_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+"""File types ``save_plot`` writes, taken from the path's suffix."""
 
 
 def _pct(x: float) -> str:
@@ -103,7 +115,8 @@ def tier_table(result: ReplayResult) -> Any:
 
 
 def results_json(results: Sequence[ReplayResult], **meta: Any) -> str:
-    return json.dumps({**meta, "runs": [r.to_dict() for r in results]}, indent=2)
+    """Strict JSON: a NaN or an infinity raises ``ValueError`` rather than printing ``NaN``/``Infinity``."""
+    return json.dumps({**meta, "runs": [r.to_dict() for r in results]}, indent=2, allow_nan=False)
 
 
 def require_matplotlib() -> None:
@@ -113,6 +126,38 @@ def require_matplotlib() -> None:
         raise MissingDependencyError(
             "--plot needs matplotlib; install it with: pip install 'aiokv[plot]'"
         ) from None
+
+
+def check_plot_path(path: str | Path) -> None:
+    """Refuse, before any work, a plot path that :func:`save_plot` could not write: an unknown suffix, a
+    directory, a missing parent directory, or a place this process may not create or overwrite a file."""
+    path = Path(path)
+    shown = repr(str(path))
+    if path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise InvalidArgumentError(
+            f"plot must be a file name ending in .{', .'.join(PLOT_FORMATS)}, got {shown}"
+        )
+    try:
+        reason = _why_unwritable(path)
+    except (OSError, ValueError) as exc:  # permission, read-only file system, name too long, embedded NUL
+        reason = (getattr(exc, "strerror", None) or str(exc)).lower()
+    if reason is not None:
+        raise InvalidArgumentError(f"plot must be a writable file path, got {shown} ({reason})")
+
+
+def _why_unwritable(path: Path) -> str | None:
+    """Open ``path`` for append, or create and remove it: ``None`` when that works, else why not."""
+    if path.is_dir():
+        return "a directory"
+    if not path.parent.is_dir():
+        return f"no directory {str(path.parent)!r}"
+    if path.exists():
+        with path.open("ab"):  # opening for append changes nothing
+            pass
+    else:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        path.unlink()
+    return None
 
 
 def save_plot(
@@ -160,5 +205,7 @@ def save_plot(
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        fig.savefig(path, format=Path(path).suffix.lower().lstrip(".") or None)
+    finally:
+        plt.close(fig)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .._errors import CapacityError, InvalidArgumentError
+from .._errors import CapacityError, InvalidArgumentError, InvalidTypeError
 from ..tiers._index import BlockIndex
 from ..tiers._policies import make_policy, policy_names
 from ._model import DEFAULT_BANDWIDTHS, TTFT_FORMULA, CostModel
@@ -51,12 +51,32 @@ class TierConfig:
     policy: str | None = None
 
     def __post_init__(self) -> None:
-        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
-            raise InvalidArgumentError(
-                f"capacity of tier {self.name!r} must be > 0, got {self.capacity_bytes}"
+        if not isinstance(self.name, str):
+            raise InvalidTypeError(f"tier name must be a string, got {type(self.name).__name__}")
+        if not self.name:
+            raise InvalidArgumentError("tier name must not be empty")
+        cap = self.capacity_bytes
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, int):
+                raise InvalidTypeError(
+                    f"capacity of tier {self.name!r} must be an int or None, got {type(cap).__name__}"
+                )
+            if cap <= 0:
+                raise InvalidArgumentError(f"capacity of tier {self.name!r} must be > 0, got {cap}")
+        bw = self.bandwidth
+        if bw is not None:
+            if isinstance(bw, bool) or not isinstance(bw, (int, float)):
+                raise InvalidTypeError(
+                    f"bandwidth of tier {self.name!r} must be a number, got {type(bw).__name__}"
+                )
+            if not (math.isfinite(bw) and bw > 0):
+                raise InvalidArgumentError(
+                    f"bandwidth of tier {self.name!r} must be > 0 and finite, got {bw}"
+                )
+        if self.policy is not None and not isinstance(self.policy, str):
+            raise InvalidTypeError(
+                f"policy of tier {self.name!r} must be a string or None, got {type(self.policy).__name__}"
             )
-        if self.bandwidth is not None and not self.bandwidth > 0:
-            raise InvalidArgumentError(f"bandwidth of tier {self.name!r} must be > 0, got {self.bandwidth}")
 
     def resolved_bandwidth(self) -> float:
         if self.bandwidth is not None:
@@ -148,7 +168,8 @@ class ReplayResult:
 
     @property
     def refs_per_s(self) -> float:
-        return self.block_refs / self.elapsed_s if self.elapsed_s > 0 else math.inf
+        """Replay speed; the elapsed time is floored at 1 ns so the figure stays finite (and JSON-valid)."""
+        return self.block_refs / max(self.elapsed_s, 1e-9)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the fields plus the derived ratios and byte counts."""
@@ -175,6 +196,17 @@ class ReplayResult:
             refs_per_s=self.refs_per_s,
         )
         return out
+
+
+def check_capacity(tier: TierConfig, *, block_tokens: int, kv_bytes_per_token: int) -> None:
+    """Raise :class:`CapacityError` unless ``tier`` holds at least one block (checked by :func:`replay`; callers
+    may check before loading a trace)."""
+    block_bytes = block_tokens * kv_bytes_per_token
+    if tier.capacity_bytes is not None and tier.capacity_bytes < block_bytes:
+        raise CapacityError(
+            f"capacity of tier {tier.name!r} must hold at least one block of {block_bytes} bytes "
+            f"({block_tokens} tokens * {kv_bytes_per_token} bytes), got {tier.capacity_bytes}"
+        )
 
 
 def _check_policy(name: str) -> None:
@@ -273,17 +305,13 @@ def replay(
     for name in policies:
         _check_policy(name)
     bandwidths = [t.resolved_bandwidth() for t in tiers]
+    for cfg in tiers:
+        check_capacity(cfg, block_tokens=bt, kv_bytes_per_token=kv_bytes_per_token)
     indexes: list[BlockIndex] = []
     for cfg, pol in zip(tiers, policies, strict=True):
-        if cfg.capacity_bytes is None:
-            slots = max(trace.unique_blocks, 1)
-        else:
-            slots = min(cfg.capacity_bytes // block_bytes, max(trace.unique_blocks, 1))
-            if slots < 1:
-                raise CapacityError(
-                    f"capacity of tier {cfg.name!r} must hold at least one block of {block_bytes} bytes "
-                    f"({bt} tokens * {kv_bytes_per_token} bytes), got {cfg.capacity_bytes}"
-                )
+        slots = max(trace.unique_blocks, 1)
+        if cfg.capacity_bytes is not None:
+            slots = min(cfg.capacity_bytes // block_bytes, slots)
         indexes.append(BlockIndex(slots, make_policy(pol, slots)))
 
     gc_was_enabled = gc.isenabled()

@@ -87,7 +87,10 @@ def test_prompt_rows_use_utf8_bytes_as_tokens(tmp_path: Path) -> None:
         ("{not json", r"t\.jsonl:2: not valid JSON"),
         ('{"foo": 1}', r"t\.jsonl:2: a trace row needs hash_ids, token_ids or prompt"),
         ('{"hash_ids": ["a"]}', r"t\.jsonl:2: hash_ids must be a list of ints"),
-        ('{"hash_ids": [1], "timestamp": "x"}', r"t\.jsonl:2: timestamp must be a number of milliseconds"),
+        (
+            '{"hash_ids": [1], "timestamp": "x"}',
+            r"t\.jsonl:2: timestamp must be a finite number of milliseconds >= 0, got \"x\"",
+        ),
         ('{"hash_ids": [1], "input_length": -1}', r"t\.jsonl:2: input_length must be an int >= 0, got -1"),
         ("[1, 2]", r"t\.jsonl:2: each trace line must be a JSON object"),
     ],
