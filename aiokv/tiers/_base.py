@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import InvalidArgumentError
+
 __all__ = ["BackingTier", "TierHealth", "TierSpec"]
 
 
@@ -84,3 +86,17 @@ class BackingTier(ABC):
     @abstractmethod
     def stats(self) -> Any:
         """A frozen dataclass of this tier's counters and health."""
+
+
+def check_buffers(name: str, keys: Sequence[bytes], bufs: Sequence[memoryview], payload_bytes: int) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``bufs`` holds one C-contiguous ``payload_bytes``-long buffer
+    per key (the argument checks shared by every backing tier's ``read_into`` and ``write``)."""
+    if len(bufs) != len(keys):
+        raise InvalidArgumentError(f"{name} must have one buffer per key ({len(keys)}), got {len(bufs)}")
+    for i, buf in enumerate(bufs):
+        if buf.nbytes != payload_bytes:
+            raise InvalidArgumentError(
+                f"{name}[{i}] must be payload_bytes={payload_bytes} bytes long, got {buf.nbytes}"
+            )
+        if not buf.c_contiguous:
+            raise InvalidArgumentError(f"{name}[{i}] must be a C-contiguous buffer")

@@ -30,16 +30,22 @@ Consistency rules:
 
 Failures never escape: a write that fails (ENOSPC, EIO, EFBIG...) is dropped and counted, a read that fails or
 does not verify is a miss (the entry is dropped), and the tier's health goes ``"degraded"`` until the next
-successful I/O. Disk I/O runs on a small private thread pool, never on the event loop.
+successful I/O. A filesystem out of space (ENOSPC, EDQUOT, EFBIG) at ``open()`` does not fail the open either:
+the tier starts ``"degraded"`` (sparse segment files, stores fail until space is freed) or, when not even the
+directory, lock or segment files can be created, ``"down"`` (lookups miss, stores are dropped; a store after a
+backoff retries the set-up). Disk I/O runs on a small private thread pool, never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import json
+import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,15 +53,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .._errors import CapacityError, ClosedError, InvalidArgumentError, InvalidTypeError, TierLockedError
-from ._base import BackingTier, TierSpec
+from .._log import Throttled, get_logger
+from ._base import BackingTier, TierSpec, check_buffers
 from ._format import (
     FORMAT_VERSION,
     HEADER_SIZE,
+    Damage,
     EntryHeader,
     TierHealth,
     Verdict,
+    check_damage,
     check_entry,
     check_header,
+    damaged,
     pack_header,
 )
 from ._index import BlockIndex
@@ -77,8 +87,22 @@ _RUN_BYTES = 1 << 20
 # by one thread in file order); reads always use one thread per call, see read_into.
 _SPLIT_BYTES = 16 << 20
 _ZERO_HEADER = bytes(HEADER_SIZE)
+# Errors that mean "no room on this filesystem" (not a misconfiguration): at open they degrade the tier.
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# A tier that could not set up its directory retries on a store after this long, doubling up to the maximum.
+_REOPEN_BACKOFF_S = 1.0
+_REOPEN_BACKOFF_MAX_S = 60.0
 
 T = TypeVar("T")
+_log = get_logger("tiers.disk")
+
+
+def _is_space_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in SPACE_ERRNOS
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _segment_name(index: int) -> str:
@@ -114,6 +138,7 @@ class DiskTierStats:
     skipped_existing: int  # blocks not written because the tier already held (or was writing) them
     dropped_no_room: int  # every slot was pending or pinned
     dropped_io_error: int  # write failed (ENOSPC, EIO, EFBIG, ...)
+    dropped_down: int  # the tier was down: its directory could not be set up (no space), see DiskTier.open
     recovered: int  # entries found valid when the directory was opened
     recovery_dropped: int  # entries dropped when the directory was opened (torn, foreign, bad header)
     reset: bool  # the directory held another layout and was started fresh
@@ -241,9 +266,15 @@ class _Files:
 
     # ------------------------------------------------------------------ write
     def write(
-        self, slots: list[int], keys: list[bytes], payloads: list[memoryview], seqs: list[int]
+        self,
+        slots: list[int],
+        keys: list[bytes],
+        payloads: list[memoryview],
+        seqs: list[int],
+        damage: list[Damage | None] | None = None,
     ) -> tuple[list[bool], OSError | None]:
-        """Write entries; ``ok[i]`` tells whether entry ``i`` reached the file completely."""
+        """Write entries; ``ok[i]`` tells whether entry ``i`` reached the file completely. ``damage[i]`` (fault
+        injection) stores entry ``i`` with one byte flipped after its checksums were computed."""
         geo = self.geo
         ok = [False] * len(slots)
         first_error: OSError | None = None
@@ -255,8 +286,11 @@ class _Files:
             ends: list[int] = []
             pos = 0
             for k, i in enumerate(run):
-                payload = payloads[i]
-                bufs.append(pack_header(keys[i], self.fingerprint, payload, seqs[i]))
+                payload: Any = payloads[i]
+                header = pack_header(keys[i], self.fingerprint, payload, seqs[i])
+                if damage is not None and damage[i] is not None:
+                    header, payload = damaged(header, payload, damage[i])  # type: ignore[arg-type]
+                bufs.append(header)
                 bufs.append(payload)
                 pos += HEADER_SIZE + geo.payload_bytes
                 ends.append(pos)
@@ -338,6 +372,25 @@ class _Files:
             os.pwrite(self.fds[seg], _ZERO_HEADER, offset)
 
 
+@dataclass(slots=True)
+class _Opened:
+    """What setting up a directory produced (built on a worker thread, installed on the loop)."""
+
+    lock_fd: int
+    files: _Files
+    recovered: list[tuple[int, int, bytes]]  # (seq, slot, key), oldest write first
+    recovery_dropped: int
+    reset: bool  # the directory held another layout: its segments were deleted
+    preallocated: bool
+    space_error: OSError | None  # no room met on the way (metadata or preallocation): start degraded
+    meta_pending: dict[str, Any] | None  # the layout file could not be written (no room): retried later
+
+    def close(self) -> None:
+        self.files.close()
+        with contextlib.suppress(OSError):
+            os.close(self.lock_fd)
+
+
 class DiskTier(BackingTier):
     """Persistent tier of fixed-size entries in preallocated segment files under ``path``.
 
@@ -411,11 +464,27 @@ class DiskTier(BackingTier):
                 "skipped_existing",
                 "dropped_no_room",
                 "dropped_io_error",
+                "dropped_down",
                 "recovered",
                 "recovery_dropped",
             ),
             0,
         )
+        self._init_degraded_state()
+
+    def _init_degraded_state(self) -> None:
+        """State of the failure paths: the set-up retried while down, the layout file still to write, logs."""
+        self._clock: Callable[[], float] = time.monotonic  # times the set-up retries; replaced by tests
+        self._spare_index: BlockIndex | None = None  # the index to install once a retried set-up succeeds
+        self._retry_at = 0.0
+        self._retry_backoff = _REOPEN_BACKOFF_S
+        self._probing = False
+        self._meta_pending: dict[str, Any] | None = None
+        where = f"disk tier {str(self.path)!r}"
+        self._log_degraded = Throttled(_log, logging.WARNING, f"{where}: degraded again")
+        self._log_up = Throttled(_log, logging.INFO, f"{where}: up again")
+        self._log_corrupt = Throttled(_log, logging.WARNING, f"{where}: corrupt entries dropped")
+        self._log_io = Throttled(_log, logging.WARNING, f"{where}: failed I/O")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._opened else "new"
@@ -426,9 +495,16 @@ class DiskTier(BackingTier):
     async def open(self, spec: TierSpec) -> None:
         """Lock the directory, (re)create the segment files and rebuild the index from their headers.
 
+        A filesystem without room (ENOSPC, EDQUOT, EFBIG) does not fail the open: the tier starts
+        ``"degraded"`` when only the layout file or the preallocation could not be written (stores are tried
+        and dropped while there is no room), or ``"down"`` when the directory, its lock file or a segment file
+        could not even be created (lookups miss, stores are dropped and counted as ``dropped_down``; a store
+        after a backoff of 1 s, doubling up to 60 s, retries the set-up). Both are logged.
+
         Raises :class:`TierLockedError` when another process or ``DiskTier`` holds the directory,
         :class:`CapacityError` when ``capacity_bytes`` cannot hold one entry, and ``OSError`` when the
-        directory cannot be created or locked.
+        directory cannot be used for any other reason (``NotADirectoryError`` when ``path`` is a file,
+        ``PermissionError``, a read-only filesystem, I/O errors): those are configuration errors.
         """
         if self._opened or self._closed:
             raise ClosedError("a DiskTier can be opened once; create a new one")
@@ -444,28 +520,47 @@ class DiskTier(BackingTier):
                 f"capacity_bytes must hold at least one entry of {geo.entry_bytes} bytes, "
                 f"got {self.capacity_bytes}"
             )
+        index = BlockIndex(geo.num_slots, make_policy(self._eviction, geo.num_slots))
         self._opened = True
         loop = asyncio.get_running_loop()
         # Runs on the default executor: our pool does not exist yet and this is a one-off.
         fut, cancelled = await _wait_thread(loop.run_in_executor(None, self._open_sync, spec, geo))
-        if cancelled or fut.exception() is not None:
+        exc = fut.exception()
+        if cancelled or (exc is not None and not _is_space_error(exc)):
             self._closed = True
-            self._release()
+            if exc is None:
+                fut.result().close()
             if cancelled:
                 raise asyncio.CancelledError
-        recovered = fut.result()
-        index = BlockIndex(geo.num_slots, make_policy(self._eviction, geo.num_slots))
-        _restore(index, recovered)
+            assert exc is not None
+            raise exc
         self._spec = spec
         self._geo = geo
-        self._index = index
-        self._seq = max((seq for seq, _, _ in recovered), default=0) + 1
         self._pool = ThreadPoolExecutor(max_workers=self._io_threads, thread_name_prefix="aiokv-disk")
+        if exc is None:
+            self._install(fut.result(), index)
+            return
+        self._spare_index = index  # never used: installed as it is once a retried set-up succeeds
+        self._retry_at = self._clock() + self._retry_backoff
+        self._set_health(TierHealth.DOWN, exc)
 
-    def _open_sync(self, spec: TierSpec, geo: _Geometry) -> list[tuple[int, int, bytes]]:
+    def _open_sync(self, spec: TierSpec, geo: _Geometry) -> _Opened:
+        """Set up the directory (worker thread; reads the configuration, changes nothing on ``self``)."""
         path = self.path
-        path.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"disk tier path {str(path)!r} exists and is not a directory"
+            ) from None
+        except OSError as exc:
+            _raise_explained(exc, path)
+            raise
+        try:
+            lock_fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            _raise_explained(exc, path)
+            raise
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -487,20 +582,24 @@ class DiskTier(BackingTier):
                 "slots_per_segment": geo.slots_per_segment,
             }
             existing = self._read_meta()
+            reset = False
+            space_error: OSError | None = None
+            meta_pending: dict[str, Any] | None = None
             if existing is None or any(existing.get(k) != v for k, v in meta.items()):
-                self._reset = existing is not None
+                reset = existing is not None
                 for seg_path in self._segment_paths():
                     seg_path.unlink()
                 meta["block_size"] = spec.block_size
                 meta["description"] = spec.description
-                tmp = path / (META_NAME + ".tmp")
-                tmp.write_text(json.dumps(meta, indent=1) + "\n")
-                os.replace(tmp, path / META_NAME)
+                space_error = _write_meta(path, meta)
+                if space_error is not None:
+                    meta_pending = meta
             for seg_path in self._segment_paths():
                 number = int(seg_path.name[len(_SEGMENT_PREFIX) : -len(_SEGMENT_SUFFIX)])
                 if number >= geo.num_segments:  # capacity shrank
                     seg_path.unlink()
             recovered: dict[bytes, tuple[int, int]] = {}
+            dropped = 0
             preallocated = True
             for seg in range(geo.num_segments):
                 fd = os.open(path / _segment_name(seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -508,18 +607,69 @@ class DiskTier(BackingTier):
                 size = geo.segment_slots(seg) * geo.entry_bytes
                 if os.fstat(fd).st_size > size:
                     os.ftruncate(fd, size)
-                self._scan(fd, seg, geo, spec.fingerprint, recovered)
-                preallocated &= self._allocate(fd, size)
-            self._preallocated = preallocated
-        except BaseException:
+                dropped += _scan(fd, seg, geo, spec.fingerprint, recovered)
+                allocated, err = self._allocate(fd, size)
+                preallocated &= allocated
+                if space_error is None and err is not None and _is_space_error(err):
+                    space_error = err
+        except BaseException as exc:
             for fd in fds:
                 os.close(fd)
             os.close(lock_fd)
+            if isinstance(exc, OSError):
+                _raise_explained(exc, path)
             raise
-        self._lock_fd = lock_fd
-        self._files = _Files(geo, fds, spec.fingerprint, self._fsync)
-        self._c["recovered"] = len(recovered)
-        return sorted((seq, slot, key) for key, (seq, slot) in recovered.items())
+        return _Opened(
+            lock_fd=lock_fd,
+            files=_Files(geo, fds, spec.fingerprint, self._fsync),
+            recovered=sorted((seq, slot, key) for key, (seq, slot) in recovered.items()),
+            recovery_dropped=dropped,
+            reset=reset,
+            preallocated=preallocated,
+            space_error=space_error,
+            meta_pending=meta_pending,
+        )
+
+    def _install(self, opened: _Opened, index: BlockIndex) -> None:
+        """Make a set-up directory the tier's storage (on the loop, between two calls)."""
+        _restore(index, opened.recovered)
+        self._index = index
+        self._files = opened.files
+        self._lock_fd = opened.lock_fd
+        self._seq = max((seq for seq, _, _ in opened.recovered), default=0) + 1
+        self._c["recovered"] += len(opened.recovered)
+        self._c["recovery_dropped"] += opened.recovery_dropped
+        self._reset = opened.reset
+        self._preallocated = opened.preallocated
+        self._meta_pending = opened.meta_pending
+        where = str(self.path)
+        if opened.reset:
+            _log.info("disk tier %r held another layout: started fresh (old segment files deleted)", where)
+        if opened.recovered or opened.recovery_dropped:
+            _log.info(
+                "disk tier %r: recovered %d entries, dropped %d (torn, foreign or damaged)",
+                where,
+                len(opened.recovered),
+                opened.recovery_dropped,
+            )
+        if opened.meta_pending is not None:
+            _log.warning(
+                "disk tier %r: no room to write %s (%s): entries stored now are lost at the next restart "
+                "unless it can be written later (retried after each successful store)",
+                where,
+                META_NAME,
+                _describe(opened.space_error) if opened.space_error else "",
+            )
+        elif opened.space_error is not None:
+            _log.warning(
+                "disk tier %r: no room to preallocate the segment files (%s): stores fail until space is freed",
+                where,
+                _describe(opened.space_error),
+            )
+        if opened.space_error is not None:
+            self._set_health(TierHealth.DEGRADED, opened.space_error)
+        elif self._health is not TierHealth.UP:
+            self._set_health(TierHealth.UP)
 
     def _read_meta(self) -> dict[str, Any] | None:
         try:
@@ -537,38 +687,21 @@ class DiskTier(BackingTier):
             and p.name[len(_SEGMENT_PREFIX) : -len(_SEGMENT_SUFFIX)].isdigit()
         )
 
-    def _scan(
-        self, fd: int, seg: int, geo: _Geometry, fingerprint: bytes, found: dict[bytes, tuple[int, int]]
-    ) -> None:
-        size = os.fstat(fd).st_size
-        base = seg * geo.slots_per_segment
-        for j in range(geo.segment_slots(seg)):
-            offset = j * geo.entry_bytes
-            if offset >= size:
-                break
-            head = check_header(
-                os.pread(fd, HEADER_SIZE, offset), fingerprint=fingerprint, payload_len=geo.payload_bytes
-            )
-            if head is Verdict.EMPTY:
-                continue
-            if not isinstance(head, EntryHeader) or offset + HEADER_SIZE + geo.payload_bytes > size:
-                self._c["recovery_dropped"] += 1  # torn (truncated), foreign or damaged header
-                continue
-            previous = found.get(head.key)
-            if previous is None or previous[0] < head.seq:
-                found[head.key] = (head.seq, base + j)
-
-    def _allocate(self, fd: int, size: int) -> bool:
+    def _allocate(self, fd: int, size: int) -> tuple[bool, OSError | None]:
+        """Preallocate ``fd`` to ``size`` bytes, else extend it sparsely. Returns (preallocated, the error)."""
+        error: OSError | None = None
         if self._preallocate:
             try:
                 os.posix_fallocate(fd, 0, size)
-                return True
-            except OSError:
-                pass
-        with contextlib.suppress(OSError):  # sparse; stores beyond the limit will fail and be dropped
+                return True, None
+            except OSError as exc:  # no room, no fallocate support, a file-size limit
+                error = exc
+        try:  # sparse; stores beyond the limit will fail and be dropped
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)
-        return False
+        except OSError as exc:
+            error = error or exc
+        return False, error
 
     async def aclose(self) -> None:
         """Wait for in-flight I/O, close the files and release the lock. Idempotent."""
@@ -580,6 +713,8 @@ class DiskTier(BackingTier):
             _, was_cancelled = await _wait_thread(fut)
             cancelled = cancelled or was_cancelled
         self._release()
+        for throttle in (self._log_degraded, self._log_up, self._log_corrupt, self._log_io):
+            throttle.flush()
         if cancelled:
             raise asyncio.CancelledError
 
@@ -600,12 +735,19 @@ class DiskTier(BackingTier):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _live(self) -> tuple[BlockIndex, _Files, _Geometry]:
+    def _geometry(self) -> _Geometry:
         if self._closed:
             raise ClosedError("disk tier is closed")
-        if self._index is None or self._files is None or self._geo is None:
+        if self._geo is None:
             raise ClosedError("disk tier is not open; call open(spec) first")
-        return self._index, self._files, self._geo
+        return self._geo
+
+    def _live(self) -> tuple[BlockIndex, _Files, _Geometry] | None:
+        """The tier's storage, or None while it is down (its directory could not be set up)."""
+        geo = self._geometry()
+        if self._index is None or self._files is None:
+            return None
+        return self._index, self._files, geo
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         assert self._pool is not None
@@ -634,24 +776,103 @@ class DiskTier(BackingTier):
             raise errors[0]
         return futs, cancelled
 
+    # ---------------------------------------------------------------- health
+    def _set_health(self, health: TierHealth, error: BaseException | None = None) -> None:
+        """Record the health (and the error that changed it), logging transitions."""
+        if error is not None:
+            self._last_error = _describe(error)
+        previous, self._health = self._health, health
+        if health is previous:
+            return
+        where = str(self.path)
+        if health is TierHealth.UP:
+            self._log_up.event("disk tier %r is up again (was %s)", where, previous.value)
+        elif health is TierHealth.DEGRADED:
+            self._log_degraded.event("disk tier %r degraded: %s", where, self._last_error)
+        else:
+            _log.warning(
+                "disk tier %r is down: cannot set up the directory (%s); lookups miss and stores are "
+                "dropped until a retry (on a store, after %.0f s or more) succeeds",
+                where,
+                self._last_error,
+                self._retry_backoff,
+            )
+
     def _io_failed(self, exc: OSError) -> None:
-        self._health = TierHealth.DEGRADED
-        self._last_error = f"{type(exc).__name__}: {exc}"
+        self._set_health(TierHealth.DEGRADED, exc)
+
+    async def _retry_setup(self) -> tuple[BlockIndex, _Files, _Geometry] | None:
+        """While down: set the directory up again, at most once per backoff interval and one caller at a time.
+        Returns the storage when it worked. Never raises but cancellation (delivered after the attempt)."""
+        if self._probing or self._clock() < self._retry_at:
+            return None
+        assert self._spec is not None
+        assert self._geo is not None
+        assert self._spare_index is not None
+        self._probing = True
+        try:
+            fut, cancelled = await _wait_thread(self._submit(self._open_sync, self._spec, self._geo))
+        finally:
+            self._probing = False
+        exc = fut.exception()
+        if self._closed:  # aclose() ran meanwhile: it released what the tier held, not this
+            if exc is None:
+                fut.result().close()
+        elif exc is None:
+            index, self._spare_index = self._spare_index, None
+            self._install(fut.result(), index)
+        else:
+            self._retry_backoff = min(self._retry_backoff * 2, _REOPEN_BACKOFF_MAX_S)
+            self._retry_at = self._clock() + self._retry_backoff
+            self._last_error = _describe(exc)
+            self._log_io.event(
+                "disk tier %r is still down: %s (next retry in %.0f s)",
+                str(self.path),
+                self._last_error,
+                self._retry_backoff,
+            )
+        if cancelled:
+            raise asyncio.CancelledError
+        return self._live() if exc is None and not self._closed else None
+
+    async def _write_pending_meta(self, meta: dict[str, Any]) -> bool:
+        """After a successful store: write the layout file that there was no room for at open. Returns whether
+        a cancellation arrived meanwhile (delivered by the caller)."""
+        fut, cancelled = await _wait_thread(self._submit(_write_meta, self.path, meta))
+        exc = fut.exception()
+        if exc is None and fut.result() is None:
+            self._meta_pending = None
+            _log.info(
+                "disk tier %r: wrote %s, entries will be recovered at restart", str(self.path), META_NAME
+            )
+        else:
+            err = exc if exc is not None else fut.result()
+            assert err is not None
+            self._log_io.event(
+                "disk tier %r: writing %s failed: %s", str(self.path), META_NAME, _describe(err)
+            )
+        return cancelled
 
     # ------------------------------------------------------------ operations
     async def lookup(self, keys: Sequence[bytes]) -> int:
-        index, _, _ = self._live()
-        n = index.match_prefix(keys)
+        live = self._live()
         self._c["lookups"] += 1
+        if live is None:
+            return 0
+        n = live[0].match_prefix(keys)
         self._c["lookup_hits"] += n
         return n
 
     async def read_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
-        index, files, geo = self._live()
-        _check_buffers("outs", keys, outs, geo.payload_bytes)
+        live = self._live()
+        check_buffers("outs", keys, outs, self._geometry().payload_bytes)
         if not keys:
             return 0
         self._c["reads"] += 1
+        if live is None:
+            self._c["read_misses"] += 1
+            return 0
+        index, files, geo = live
         slots = index.pin_prefix(keys)
         pinned = list(keys[: len(slots)])
         if not slots:
@@ -681,18 +902,30 @@ class DiskTier(BackingTier):
             if verdict is None:
                 continue
             failed = failed or err is not None
+            bad = pinned[a + n_ok]
             if err is not None:
                 self._c["read_errors"] += 1
+                self._log_io.event(
+                    "disk tier %r: reading entry %s failed, dropped: %s",
+                    str(self.path),
+                    bad.hex()[:16],
+                    _describe(err),
+                )
                 self._io_failed(err)
             else:
                 self._c["corrupt"] += 1
-            bad = pinned[a + n_ok]
+                self._log_corrupt.event(
+                    "disk tier %r: entry %s failed verification (%s), dropped",
+                    str(self.path),
+                    bad.hex()[:16],
+                    verdict.value,
+                )
             if index.pins(bad) == 0:
                 index.discard(bad)
         if done < len(keys):
             self._c["read_misses"] += 1
         if done and not failed:
-            self._health = TierHealth.UP
+            self._set_health(TierHealth.UP)
         self._c["read_blocks"] += done
         self._c["read_bytes"] += done * geo.payload_bytes
         if cancelled:
@@ -700,15 +933,37 @@ class DiskTier(BackingTier):
         return done
 
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> int:
-        index, files, geo = self._live()
-        _check_buffers("payloads", keys, payloads, geo.payload_bytes)
+        stored, _ = await self._store(keys, payloads, None)
+        return stored
+
+    async def _write_damaged(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], damage: Sequence[Damage | None]
+    ) -> tuple[int, int]:
+        """Fault injection hook (used by :class:`~aiokv.tiers.FaultyTier` only): ``write``, except that entry
+        ``i`` is stored with the :data:`~aiokv.tiers._format.Damage` ``damage[i]`` applied after its
+        checksums were computed, i.e. corrupt at rest. Returns (stored, how many of them were damaged)."""
+        check_damage(damage, len(keys), self._geometry().payload_bytes)
+        return await self._store(keys, payloads, list(damage))
+
+    async def _store(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], damage: list[Damage | None] | None
+    ) -> tuple[int, int]:
+        live = self._live()
+        check_buffers("payloads", keys, payloads, self._geometry().payload_bytes)
         self._c["writes"] += 1
+        if live is None:
+            live = await self._retry_setup()
+            if live is None:
+                self._c["dropped_down"] += len(keys)
+                return 0, 0
+        index, files, geo = live
         slots: list[int] = []
         wkeys: list[bytes] = []
         wpayloads: list[memoryview] = []
+        wdamage: list[Damage | None] = []
         seqs: list[int] = []
         skipped = 0
-        for key, payload in zip(keys, payloads, strict=True):
+        for i, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
             if index.state(key) is not None:
                 index.touch(key)
                 skipped += 1
@@ -720,15 +975,22 @@ class DiskTier(BackingTier):
             slots.append(slot)
             wkeys.append(key)
             wpayloads.append(payload)
+            wdamage.append(damage[i] if damage is not None else None)
             seqs.append(self._seq)
             self._seq += 1
         self._c["skipped_existing"] += skipped
         if not slots:
-            return skipped
+            return skipped, 0
         parts = self._split(len(slots), geo.payload_bytes)
         try:
             futs, cancelled = await self._run_all(
-                [(files.write, (slots[a:b], wkeys[a:b], wpayloads[a:b], seqs[a:b])) for a, b in parts]
+                [
+                    (
+                        files.write,
+                        (slots[a:b], wkeys[a:b], wpayloads[a:b], seqs[a:b], wdamage[a:b] if damage else None),
+                    )
+                    for a, b in parts
+                ]
             )
             ok: list[bool] = []
             err: OSError | None = None
@@ -741,22 +1003,33 @@ class DiskTier(BackingTier):
                 index.discard(key)
             raise
         stored = 0
-        for key, good in zip(wkeys, ok, strict=True):
+        stored_damaged = 0
+        for key, good, dmg in zip(wkeys, ok, wdamage, strict=True):
             if good:
                 index.commit(key)
                 stored += 1
+                stored_damaged += dmg is not None
             else:
                 index.discard(key)
         self._c["stored_blocks"] += stored
         self._c["stored_bytes"] += stored * geo.payload_bytes
         self._c["dropped_io_error"] += len(wkeys) - stored
         if err is not None:
+            self._log_io.event(
+                "disk tier %r: %d of %d stores dropped: %s",
+                str(self.path),
+                len(wkeys) - stored,
+                len(wkeys),
+                _describe(err),
+            )
             self._io_failed(err)
         elif stored:
-            self._health = TierHealth.UP
+            self._set_health(TierHealth.UP)
+            if self._meta_pending is not None and not self._closed:
+                cancelled = await self._write_pending_meta(self._meta_pending) or cancelled
         if cancelled:
             raise asyncio.CancelledError
-        return skipped + stored
+        return skipped + stored, stored_damaged
 
     def stats(self) -> DiskTierStats:
         index_stats = self._index.stats() if self._index is not None else None
@@ -778,16 +1051,55 @@ class DiskTier(BackingTier):
         )
 
 
-def _check_buffers(name: str, keys: Sequence[bytes], bufs: Sequence[memoryview], payload_bytes: int) -> None:
-    if len(bufs) != len(keys):
-        raise InvalidArgumentError(f"{name} must have one buffer per key ({len(keys)}), got {len(bufs)}")
-    for i, buf in enumerate(bufs):
-        if buf.nbytes != payload_bytes:
-            raise InvalidArgumentError(
-                f"{name}[{i}] must be payload_bytes={payload_bytes} bytes long, got {buf.nbytes}"
-            )
-        if not buf.c_contiguous:
-            raise InvalidArgumentError(f"{name}[{i}] must be a C-contiguous buffer")
+def _raise_explained(exc: OSError, path: Path) -> None:
+    """Raise ``exc`` again (same type and errno) with a message that says which tier directory could not be
+    used; returns when ``exc`` is a space error (handled by the caller) or carries no errno."""
+    if exc.errno is None or exc.errno in SPACE_ERRNOS:
+        return
+    what = f"cannot use {str(path)!r} as a disk tier directory: {exc.strerror}"
+    explained = type(exc)(exc.errno, what, exc.filename) if exc.filename else type(exc)(exc.errno, what)
+    raise explained from exc
+
+
+def _write_meta(path: Path, meta: dict[str, Any]) -> OSError | None:
+    """Write the layout file atomically. Returns the error when there is no room (the file is then absent, so
+    that no stale layout describes the segment files); raises any other ``OSError``."""
+    tmp = path / (META_NAME + ".tmp")
+    try:
+        tmp.write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(tmp, path / META_NAME)
+    except OSError as exc:
+        if not _is_space_error(exc):
+            raise
+        for leftover in (tmp, path / META_NAME):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        return exc
+    return None
+
+
+def _scan(fd: int, seg: int, geo: _Geometry, fingerprint: bytes, found: dict[bytes, tuple[int, int]]) -> int:
+    """Add the valid headers of segment ``seg`` to ``found`` (key -> (seq, slot), the newest write wins);
+    returns how many entries were dropped (torn, foreign or damaged header)."""
+    size = os.fstat(fd).st_size
+    base = seg * geo.slots_per_segment
+    dropped = 0
+    for j in range(geo.segment_slots(seg)):
+        offset = j * geo.entry_bytes
+        if offset >= size:
+            break
+        head = check_header(
+            os.pread(fd, HEADER_SIZE, offset), fingerprint=fingerprint, payload_len=geo.payload_bytes
+        )
+        if head is Verdict.EMPTY:
+            continue
+        if not isinstance(head, EntryHeader) or offset + HEADER_SIZE + geo.payload_bytes > size:
+            dropped += 1  # torn (truncated), foreign or damaged header
+            continue
+        previous = found.get(head.key)
+        if previous is None or previous[0] < head.seq:
+            found[head.key] = (head.seq, base + j)
+    return dropped
 
 
 def _restore(index: BlockIndex, entries: list[tuple[int, int, bytes]]) -> None:

@@ -20,12 +20,18 @@ Nothing is ever unpickled: an entry is accepted only when the header checksum, m
 fingerprint, key, payload length *and* the payload checksum all match what the reader expects. Any mismatch is
 a miss. xxh3_64 is not cryptographic: it detects torn writes, bit rot and foreign data, not an adversary who
 can write to the tier (protect the directory / the Redis server for that).
+
+Fault injection (:class:`aiokv.tiers.FaultyTier`) stores entries damaged *at rest*: a :data:`Damage` names one
+byte of the entry (header or payload) that is xor-ed after the header and both checksums were computed, so
+the stored entry looks exactly like bit rot and only the reader's verification can catch it. The persistent
+tiers accept it through their private ``_write_damaged(keys, payloads, damage)`` hook.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 
 import xxhash
 
@@ -34,6 +40,7 @@ from ._base import TierHealth
 
 __all__ = [
     "FORMAT_VERSION",
+    "Damage",
     "TierHealth",
     "HEADER_SIZE",
     "MAGIC",
@@ -41,7 +48,9 @@ __all__ = [
     "Verdict",
     "checksum",
     "check_entry",
+    "check_damage",
     "check_header",
+    "damaged",
     "pack_header",
     "parse_header",
 ]
@@ -173,3 +182,40 @@ def check_entry(
     if checksum(payload) != head.checksum:
         return Verdict.BAD_CHECKSUM
     return Verdict.OK
+
+
+Damage = tuple[int, int]
+"""``(offset, mask)``: xor the byte at ``offset`` of the stored entry (``[0, HEADER_SIZE)``: the header,
+``[HEADER_SIZE, HEADER_SIZE + payload_len)``: the payload) with ``mask`` (1-255, so the byte really changes)."""
+
+
+def check_damage(damage: Sequence[Damage | None], n: int, payload_len: int) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``damage`` holds ``n`` entries, each ``None`` or a valid
+    :data:`Damage` for an entry of ``payload_len`` payload bytes."""
+    if len(damage) != n:
+        raise InvalidArgumentError(f"damage must have one item per key ({n}), got {len(damage)}")
+    for i, item in enumerate(damage):
+        if item is None:
+            continue
+        offset, mask = item
+        if not 0 <= offset < HEADER_SIZE + payload_len:
+            raise InvalidArgumentError(
+                f"damage[{i}] offset must be in [0, {HEADER_SIZE + payload_len}), got {offset}"
+            )
+        if not 1 <= mask <= 255:
+            raise InvalidArgumentError(f"damage[{i}] mask must be in [1, 255], got {mask}")
+
+
+def damaged(
+    header: bytes, payload: bytes | bytearray | memoryview, damage: Damage
+) -> tuple[bytes, bytes | bytearray | memoryview]:
+    """``(header, payload)`` with :data:`Damage` applied; copies only the part that changes (never writes to the
+    caller's ``payload``)."""
+    offset, mask = damage
+    if offset < HEADER_SIZE:
+        head = bytearray(header)
+        head[offset] ^= mask
+        return bytes(head), payload
+    body = bytearray(payload)
+    body[offset - HEADER_SIZE] ^= mask
+    return header, body

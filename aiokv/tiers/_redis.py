@@ -22,6 +22,7 @@ probes the server. A successful call brings it back ``"up"``; a failure short of
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import sys
 import time
@@ -42,8 +43,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     _IMPORT_ERROR = exc
 
 from .._errors import ClosedError, InvalidArgumentError, InvalidTypeError, MissingDependencyError
-from ._base import BackingTier, TierSpec
-from ._format import HEADER_SIZE, TierHealth, Verdict, check_entry, pack_header
+from .._log import Throttled, get_logger
+from ._base import BackingTier, TierSpec, check_buffers
+from ._format import HEADER_SIZE, Damage, TierHealth, Verdict, check_damage, check_entry, pack_header
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout_at as _timeout_at
@@ -53,6 +55,7 @@ else:  # pragma: no cover - redis-py depends on async-timeout before 3.11.3
 __all__ = ["RedisTier", "RedisTierStats"]
 
 T = TypeVar("T")
+_log = get_logger("tiers.redis")
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +285,14 @@ class RedisTier(BackingTier):
             ),
             0,
         )
+        where = f"redis tier {_redact(self.url)!r} namespace {namespace!r}"
+        self._where = where
+        self._log_degraded = Throttled(_log, logging.WARNING, f"{where}: degraded again")
+        self._log_down = Throttled(_log, logging.WARNING, f"{where}: down again")
+        self._log_up = Throttled(_log, logging.INFO, f"{where}: up again")
+        self._log_io = Throttled(_log, logging.WARNING, f"{where}: failed round trips")
+        self._log_corrupt = Throttled(_log, logging.WARNING, f"{where}: corrupt values dropped")
+        self._log_rejected = Throttled(_log, logging.WARNING, f"{where}: values refused by the server")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._opened else "new"
@@ -331,6 +342,15 @@ class RedisTier(BackingTier):
         if self._closed:
             return
         self._closed = True
+        for throttle in (
+            self._log_degraded,
+            self._log_down,
+            self._log_up,
+            self._log_io,
+            self._log_corrupt,
+            self._log_rejected,
+        ):
+            throttle.flush()
         client, self._client = self._client, None
         if client is not None:
             try:
@@ -363,6 +383,7 @@ class RedisTier(BackingTier):
         """Run one round trip under the breaker and the deadline (loop time); never raises but cancellation."""
         client = self._client
         breaker = self._breaker
+        before = breaker.state
         probe = breaker.allow()
         if client is None or probe is None:
             self._c["skipped"] += 1
@@ -381,6 +402,7 @@ class RedisTier(BackingTier):
             failure = self._failed(exc, probe, timeout="Timeout" in type(exc).__name__)
         else:
             breaker.success()
+            self._health_changed(before)
             return result
         await self._drop_idle_connections(client)
         return failure
@@ -403,8 +425,33 @@ class RedisTier(BackingTier):
     def _failed(self, exc: BaseException, probe: bool, *, timeout: bool) -> _Failed:
         self._c["timeouts" if timeout else "errors"] += 1
         self._last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        before = self._breaker.state
         self._breaker.failure(probe)
+        self._log_io.event(
+            "%s: %s failed: %s", self._where, "probe" if probe else "round trip", self._last_error
+        )
+        self._health_changed(before)
         return _FAILED
+
+    def _health_changed(self, before: TierHealth) -> None:
+        """Log a transition of the breaker's state (WARNING when worse, INFO when back up)."""
+        breaker = self._breaker
+        state = breaker.state
+        if state is before:
+            return
+        if state is TierHealth.UP:
+            self._log_up.event("%s is up again (was %s)", self._where, before.value)
+        elif state is TierHealth.DEGRADED:
+            self._log_degraded.event("%s degraded: %s", self._where, self._last_error)
+        else:
+            self._log_down.event(
+                "%s is down after %d consecutive failures (%s): calls are answered locally (misses, dropped "
+                "writes) and the server is probed again in %.1f s",
+                self._where,
+                breaker.failures,
+                self._last_error,
+                breaker.backoff,
+            )
 
     def _batch_len(self) -> int:
         assert self._spec is not None
@@ -437,7 +484,7 @@ class RedisTier(BackingTier):
 
     async def read_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
         _, spec = self._live()
-        _check_buffers("outs", keys, outs, spec.payload_bytes)
+        check_buffers("outs", keys, outs, spec.payload_bytes)
         if not keys:
             return 0
         self._c["reads"] += 1
@@ -479,6 +526,12 @@ class RedisTier(BackingTier):
                 )
                 if verdict is not Verdict.OK:
                     self._c["corrupt"] += 1
+                    self._log_corrupt.event(
+                        "%s: value of %s failed verification (%s), deleted",
+                        self._where,
+                        keys[i].hex()[:16],
+                        verdict.value,
+                    )
                     corrupt = rkey
                     break
                 _as_bytes(outs[i])[:] = memoryview(value)[HEADER_SIZE:]
@@ -501,14 +554,31 @@ class RedisTier(BackingTier):
         await self._call(op, max(deadline, _now() + self.timeout_s / 4))
 
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> int:
+        stored, _ = await self._store(keys, payloads, None)
+        return stored
+
+    async def _write_damaged(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], damage: Sequence[Damage | None]
+    ) -> tuple[int, int]:
+        """Fault injection hook (used by :class:`~aiokv.tiers.FaultyTier` only): ``write``, except that value
+        ``i`` is stored with the :data:`~aiokv.tiers._format.Damage` ``damage[i]`` applied after its
+        checksums were computed, i.e. corrupt at rest. Returns (stored, how many of them were damaged)."""
         _, spec = self._live()
-        _check_buffers("payloads", keys, payloads, spec.payload_bytes)
+        check_damage(damage, len(keys), spec.payload_bytes)
+        return await self._store(keys, payloads, damage)
+
+    async def _store(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], damage: Sequence[Damage | None] | None
+    ) -> tuple[int, int]:
+        _, spec = self._live()
+        check_buffers("payloads", keys, payloads, spec.payload_bytes)
         self._c["writes"] += 1
         deadline = _now() + self.timeout_s
         ttl = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
         step = self._batch_len()
         entry = HEADER_SIZE + spec.payload_bytes
         stored = 0
+        stored_damaged = 0
         start = 0
         while start < len(keys):
             # Values are built (payloads copied) before the round trip: nothing references the caller's buffers
@@ -523,6 +593,12 @@ class RedisTier(BackingTier):
                 value[HEADER_SIZE:] = _as_bytes(p)
                 bufs.append(buf)
                 items.append((self.redis_key(k), value))
+            # Fault injection: flip one byte of a value after its checksums were computed (a reused buffer is
+            # rewritten whole before its next use).
+            hurt = damage[start : start + len(items)] if damage is not None else ()
+            for (_, value), dmg in zip(items, hurt, strict=False):
+                if dmg is not None:
+                    value[dmg[0]] ^= dmg[1]
 
             async def op(
                 client: Redis | RedisCluster, items: list[tuple[bytes, memoryview]] = items
@@ -535,12 +611,14 @@ class RedisTier(BackingTier):
             result = await self._call(op, deadline)
             if isinstance(result, _Failed):
                 break  # the buffers may still be referenced by a closing connection: let them go
-            for reply in result:
+            for j, reply in enumerate(result):
                 if isinstance(reply, ResponseError):
                     self._c["rejected"] += 1
                     self._last_error = f"ResponseError: {reply}"
+                    self._log_rejected.event("%s: the server refused a value: %s", self._where, reply)
                 elif reply:
                     stored += 1
+                    stored_damaged += bool(hurt) and hurt[j] is not None
             start += len(items)
             del items
             # The server answered, so every byte was sent: the buffers can be reused.
@@ -548,7 +626,7 @@ class RedisTier(BackingTier):
         self._c["stored_blocks"] += stored
         self._c["stored_bytes"] += stored * spec.payload_bytes
         self._c["dropped"] += len(keys) - stored
-        return stored
+        return stored, stored_damaged
 
     def stats(self) -> RedisTierStats:
         breaker = self._breaker
@@ -570,15 +648,3 @@ def _now() -> float:
 
 def _as_bytes(buf: memoryview) -> memoryview:
     return buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
-
-
-def _check_buffers(name: str, keys: Sequence[bytes], bufs: Sequence[memoryview], payload_bytes: int) -> None:
-    if len(bufs) != len(keys):
-        raise InvalidArgumentError(f"{name} must have one buffer per key ({len(keys)}), got {len(bufs)}")
-    for i, buf in enumerate(bufs):
-        if buf.nbytes != payload_bytes:
-            raise InvalidArgumentError(
-                f"{name}[{i}] must be payload_bytes={payload_bytes} bytes long, got {buf.nbytes}"
-            )
-        if not buf.c_contiguous:
-            raise InvalidArgumentError(f"{name}[{i}] must be a C-contiguous buffer")

@@ -2,12 +2,14 @@
 
 ``redis_server`` is shared by the session (tests isolate themselves with a unique namespace);
 ``own_redis_server`` is private to one test, which may ``kill()`` and ``restart()`` it on the same port.
-Both skip (with the reason) only when the ``redis-server`` binary is absent.
+Both skip (with the reason) only when the ``redis-server`` binary is absent. ``mount_tmpfs`` mounts small
+filesystems (to fill them up) and skips where mounting is not allowed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -171,3 +173,61 @@ def run_python(code: str, *args: str, timeout: float = 60.0) -> subprocess.Compl
 def run_py() -> Callable[..., subprocess.CompletedProcess[str]]:
     """``run_py(code, *args)`` runs ``code`` in a second interpreter process (see :func:`run_python`)."""
     return run_python
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """``mount_tmpfs(size="1m", nr_inodes=None)`` mounts a tmpfs for this test and returns its directory
+    (unmounted after the test). Skips the test where mounting is not allowed (needs root)."""
+    mounted: list[Path] = []
+
+    def mount(size: str = "1m", nr_inodes: int | None = None) -> Path:
+        mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
+        mnt.mkdir()
+        options = f"size={size}" + (f",nr_inodes={nr_inodes}" if nr_inodes is not None else "")
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip() or proc.returncode}")
+        mounted.append(mnt)
+        return mnt
+
+    try:
+        yield mount
+    finally:
+        for mnt in mounted:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+
+
+def fill_blocks(directory: Path) -> Path:
+    """Use up every free block of the filesystem holding ``directory`` with one file, ``filler``."""
+    path = directory / "filler"
+    chunk = bytes(4096)
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    return path
+
+
+def fill_inodes(directory: Path) -> list[Path]:
+    """Use up every free inode of the (small, ``nr_inodes``-limited) filesystem holding ``directory`` with
+    empty files ``inode-*``."""
+    made: list[Path] = []
+    while True:
+        path = directory / f"inode-{len(made)}"
+        try:
+            path.touch(exist_ok=False)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            return made
+        made.append(path)
+        assert len(made) < 1000, "fill_inodes needs a filesystem mounted with a small nr_inodes"
