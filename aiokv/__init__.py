@@ -8,6 +8,7 @@ from ._errors import (
     BlockRangeError,
     CapacityError,
     ClosedError,
+    DeviceError,
     DuplicateRequestError,
     InvalidArgumentError,
     InvalidLayoutError,
@@ -20,7 +21,7 @@ from ._errors import (
 from ._hashing import NONE_ROOT, block_hashes, make_root
 from ._layout import KVLayout
 from ._offloader import Offloader
-from ._request import Request, RequestHandle, RequestState
+from ._request import LoadCompletion, Request, RequestHandle, RequestState
 from ._stats import OffloaderStats
 from .tiers._base import BackingTier, TierHealth, TierSpec
 from .tiers._cpu import CPUTier, CPUTierStats
@@ -53,6 +54,7 @@ __all__ = [
     "CapacityError",
     "ChainLRUPolicy",
     "ClosedError",
+    "DeviceError",
     "DiskTier",
     "DiskTierStats",
     "DuplicateRequestError",
@@ -64,6 +66,7 @@ __all__ = [
     "InvalidTypeError",
     "KVLayout",
     "LRUPolicy",
+    "LoadCompletion",
     "MissingDependencyError",
     "Offloader",
     "OffloaderStats",

@@ -12,6 +12,7 @@ __all__ = [
     "BlockRangeError",
     "CapacityError",
     "ClosedError",
+    "DeviceError",
     "DuplicateRequestError",
     "InvalidArgumentError",
     "InvalidLayoutError",
@@ -69,3 +70,8 @@ class TierLockedError(AiokvError, RuntimeError):
 
 class MissingDependencyError(AiokvError, ImportError):
     """An optional dependency (an extra such as ``aiokv[plot]``) is not installed."""
+
+
+class DeviceError(AiokvError, RuntimeError):
+    """The device refused an operation: a stream being captured into a graph, host memory that cannot be
+    page-locked, a copy that failed on the device."""

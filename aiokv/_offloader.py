@@ -22,7 +22,8 @@ from ._stats import Counters, OffloaderStats
 from .tiers._base import BackingTier, TierSpec
 from .tiers._cpu import CPUTier
 from .tiers._policies import EvictionPolicy
-from .transfer._executor import TransferExecutor
+from .transfer._binding import DeviceBinding
+from .transfer._executor import DEFAULT_STAGING_BYTES, TransferExecutor
 from .transfer._future import TransferFuture
 
 __all__ = ["Offloader"]
@@ -45,9 +46,15 @@ class Offloader:
         store_partial_last_block: also store a request's partially filled last block at finish/preempt (under
             a key that commits to exactly its tokens). ``lookup()`` may then return a count that is not a
             multiple of ``block_size``: the last loaded block is partially filled. CPU tier only.
-        compute_stream: CUDA only: the stream the engine's forward writes the KV on. Copies are ordered after
-            it. ``None`` uses the current stream of the thread that runs the offloader's loop; pass the stream
-            explicitly when the forward runs on another stream or thread.
+        compute_stream: device layouts only: the stream the engine's forward writes the KV on. ``step()``,
+            ``load()``, ``finish()`` and ``preempt()`` mark its current point when called, and the copies they
+            cause wait for that point on the device. ``None``: the calling thread's current stream at each call.
+        device: the device the layout's tensors live on, for the device data path. ``None`` picks CUDA for a
+            CUDA layout and the CPU copy kernel for a CPU layout; a :class:`~aiokv.transfer.SimulatedDevice`
+            runs a CPU layout through the device data path with CUDA's stream semantics (tests, benchmarks).
+        staging_bytes: device memory for staging copies, both directions together, allocated once at start.
+            Larger transfers are cut into chunks; never more is allocated.
+        copy_threads: CPU backend: threads one large copy is split over (default: the usable cores, at most 4).
     """
 
     def __init__(
@@ -60,6 +67,9 @@ class Offloader:
         close_timeout: float = 30.0,
         store_partial_last_block: bool = False,
         compute_stream: Any = None,
+        device: DeviceBinding | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        copy_threads: int | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidTypeError(f"layout must be an aiokv.KVLayout, got {type(layout).__name__}")
@@ -84,12 +94,17 @@ class Offloader:
             )
         if close_timeout < 0:
             raise InvalidArgumentError(f"close_timeout must be >= 0, got {close_timeout!r}")
+        device = self._resolve_device(layout, device)
         self.layout = layout
         self.block_size = layout.block_size
         self.store_partial_last_block = bool(store_partial_last_block)
         self._compute_stream = compute_stream
+        self._device = device
+        self._staging_bytes = staging_bytes
+        self._copy_threads = copy_threads
         self.cpu: CPUTier = tiers[0]
-        self.cpu.bind(layout, eviction)  # allocates the host buffer; raises CapacityError if too small
+        # Allocates the host buffer (pinned for a device); raises CapacityError if too small.
+        self.cpu.bind(layout, eviction, device)
         self.lower: tuple[BackingTier, ...] = tuple(tiers[1:])  # type: ignore[arg-type]
         self._index = self.cpu.index
         self._write_through_max_bytes = write_through_max_bytes
@@ -119,7 +134,13 @@ class Offloader:
             raise ClosedError(f"offloader cannot be started twice (it is {self._state})")
         self._loop = asyncio.get_running_loop()
         self._executor = TransferExecutor(
-            self.layout, self.cpu.buffer, self._loop, compute_stream=self._compute_stream
+            self.layout,
+            self.cpu.buffer,
+            self._loop,
+            device=self._device,
+            compute_stream=self._compute_stream,
+            staging_bytes=self._staging_bytes,
+            copy_threads=self._copy_threads,
         )
         spec = TierSpec(
             payload_bytes=self.layout.slot_bytes,
@@ -185,6 +206,37 @@ class Offloader:
             raise ClosedError("offloader is not started; use 'async with Offloader(...)'")
         return self._executor
 
+    @staticmethod
+    def _resolve_device(layout: KVLayout, device: DeviceBinding | None) -> DeviceBinding | None:
+        if device is None:
+            if layout.is_cuda:
+                from ._cuda import CudaDevice
+
+                return CudaDevice(layout.device)
+            return None
+        if not isinstance(device, DeviceBinding):
+            raise InvalidTypeError(
+                f"device must be an aiokv device binding (e.g. aiokv.transfer.SimulatedDevice), got {type(device).__name__}"
+            )
+        if device.kind == "sim" and layout.is_cuda:
+            raise InvalidArgumentError(
+                "device=SimulatedDevice needs a cpu layout (its memory is host memory)"
+            )
+        if device.kind == "cuda" and not layout.is_cuda:
+            raise InvalidArgumentError("a cuda device needs a cuda layout")
+        return device
+
+    @property
+    def device(self) -> DeviceBinding | None:
+        """The device binding of the data path (CUDA or simulated), ``None`` on the CPU backend."""
+        return self._device
+
+    def _mark(self) -> Any:
+        """The compute stream's current point, for copies to wait on (``None`` without a device)."""
+        if self._device is None:
+            return None
+        return self.executor.mark()
+
     # --------------------------------------------------------------- requests
     def open(
         self,
@@ -232,7 +284,7 @@ class Offloader:
         self._index.unpin(keys)
 
     def _store_blocks(
-        self, chain: list[bytes], start: int, end: int, blocks: list[int]
+        self, chain: list[bytes], start: int, end: int, blocks: list[int], mark: Any = None
     ) -> TransferFuture | None:
         """Reserve CPU slots for blocks ``start..end-1`` (engine blocks ``blocks[i]``, hashes ``chain[i]``) and
         submit one store copy for them."""
@@ -255,10 +307,10 @@ class Offloader:
             ids.append(blocks[i])
         if not keys:
             return None
-        return self._submit_store(keys, slots, ids)
+        return self._submit_store(keys, slots, ids, mark)
 
     def _store_one(
-        self, key: bytes, parent: bytes | None, depth: int, block_id: int
+        self, key: bytes, parent: bytes | None, depth: int, block_id: int, mark: Any = None
     ) -> TransferFuture | None:
         slot = self._index.reserve(key, parent, depth)
         if slot is None:
@@ -267,10 +319,10 @@ class Offloader:
             else:
                 self._counters.stores_dropped += 1
             return None
-        return self._submit_store([key], [slot], [block_id])
+        return self._submit_store([key], [slot], [block_id], mark)
 
-    def _submit_store(self, keys: list[bytes], slots: list[int], ids: list[int]) -> TransferFuture:
-        tf = self.executor.submit_store(ids, slots)
+    def _submit_store(self, keys: list[bytes], slots: list[int], ids: list[int], mark: Any) -> TransferFuture:
+        tf = self.executor._submit("store", ids, slots, mark)
         tf.context = keys
         tf.add_done_callback(self._store_done_cb)
         return tf
@@ -291,8 +343,10 @@ class Offloader:
                 index.discard(key)
             c.store_errors += len(keys)
 
-    def _load_blocks(self, keys: list[bytes], slots: list[int], block_ids: list[int]) -> TransferFuture:
-        tf = self.executor.submit_load(slots, block_ids)
+    def _load_blocks(
+        self, keys: list[bytes], slots: list[int], block_ids: list[int], mark: Any = None
+    ) -> TransferFuture:
+        tf = self.executor._submit("load", block_ids, slots, mark)
         tf.context = keys
         tf.add_done_callback(self._load_done_cb)
         return tf

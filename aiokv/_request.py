@@ -28,7 +28,7 @@ from .transfer._future import TransferFuture, resolve
 if TYPE_CHECKING:
     from ._offloader import Offloader
 
-__all__ = ["Request", "RequestHandle", "RequestState"]
+__all__ = ["LoadCompletion", "Request", "RequestHandle", "RequestState"]
 
 
 class RequestState(enum.Enum):
@@ -68,6 +68,59 @@ class _Completion:
 
     def done(self) -> bool:
         return self._fut.done()
+
+
+class LoadCompletion(_Completion):
+    """What :meth:`Request.load` returns. Awaiting it resolves, on the host, once the KV is in the engine
+    blocks, to the number of tokens restored.
+
+    On a device backend an engine need not wait for the host: ``await wait_submitted()`` resolves as soon as
+    the copy is queued on aiokv's load stream, and ``order_before(stream)`` then makes work enqueued on the
+    engine's compute stream wait for the copy on the device::
+
+        pending = req.load(blocks)
+        restored = await pending.wait_submitted()   # tokens the load restores; the copy may be running
+        pending.order_before()                      # the forward enqueued next waits for it on the GPU
+        launch_forward(...)
+    """
+
+    __slots__ = ("_off", "_ticket", "_tokens")
+
+    def __init__(
+        self,
+        fut: asyncio.Future[Any],
+        ticket: asyncio.Future[TransferFuture | None],
+        tokens: int,
+        off: Offloader,
+    ) -> None:
+        super().__init__(fut)
+        self._ticket = ticket
+        self._tokens = tokens
+        self._off = off
+
+    async def wait_submitted(self) -> int:
+        """Resolve once the load's copy is on its stream; return the tokens it restores when it completes.
+
+        Cancelling this wait does not withdraw the load."""
+        tf = await asyncio.shield(self._ticket)
+        if tf is not None:
+            await tf.wait_submitted()
+        return self._tokens
+
+    def order_before(self, stream: Any = None) -> None:
+        """Make work enqueued on ``stream`` (default: the offloader's compute stream, else the calling
+        thread's current stream) from now on wait for this load on the device. Device backends only; call it
+        after :meth:`wait_submitted`."""
+        if self._off.executor.device is None:
+            raise InvalidArgumentError(
+                "order_before() needs a device backend (cuda or simulated); on the cpu backend await the load"
+            )
+        if not self._ticket.done():
+            raise RequestStateError("order_before() needs the load submitted first: await wait_submitted()")
+        tf = self._ticket.result()
+        if tf is None:
+            return  # nothing was loaded
+        tf.order_before(stream if stream is not None else self._off.executor.compute_stream)
 
 
 class Request:
@@ -150,7 +203,7 @@ class Request:
             )
         return self._post(_Ev.LOOKUP, None)
 
-    def load(self, block_ids: Sequence[int]) -> _Completion:
+    def load(self, block_ids: Sequence[int]) -> LoadCompletion:
         """Copy the cached prefix found by :meth:`lookup` into ``block_ids``, which become the request's first
         blocks. Resolves when the KV is in the engine blocks.
 
@@ -171,6 +224,9 @@ class Request:
                 f"block_ids must have at most {self._hit_blocks} blocks (the last lookup's hit), got {len(ids)}"
             )
         partial = self._partial if len(ids) == self._hit_blocks else 0
+        # The copy must not write the blocks before the kernels already queued on the compute stream (their
+        # previous owner's) are done: take that point now, before anything changes (it may be refused).
+        mark = self._off._mark() if ids else None
         self._hit_blocks = None
         # The block table and counters change now, synchronously, so that step() right after is validated
         # against them; the copy itself is submitted by the task in order.
@@ -184,7 +240,10 @@ class Request:
             self.num_computed_tokens = len(ids) * bs
             self._stored_upto = len(ids)
         self.state = RequestState.LOADING if ids else self.state
-        return self._post(_Ev.LOAD, ids)
+        fut: asyncio.Future[Any] = self._off.loop.create_future()
+        ticket: asyncio.Future[TransferFuture | None] = self._off.loop.create_future()
+        self._post_nowait(_Ev.LOAD, (ids, mark, ticket), fut)
+        return LoadCompletion(fut, ticket, self.num_computed_tokens, self._off)
 
     def step(
         self,
@@ -234,6 +293,9 @@ class Request:
             raise InvalidArgumentError(
                 f"num_computed_tokens must fit in the request's {nblocks} blocks of {bs} tokens, got {n}"
             )
+        full = n // bs
+        # The KV of this step may still be queued on the compute stream: the store waits for this point.
+        mark = self._off._mark() if full > self._stored_upto else None
         if ids:
             blocks.extend(ids)
             self._block_set.update(ids)
@@ -242,16 +304,15 @@ class Request:
         if self._hit_blocks is not None:
             # Stepping without load(): the lookup's pins are no longer needed (a LOAD of nothing releases them).
             self._hit_blocks = None
-            self._post_nowait(_Ev.LOAD, _EMPTY)
+            self._post_nowait(_Ev.LOAD, (_EMPTY, None, None))
         self.num_computed_tokens = n
         if state is not RequestState.LOADING:
             self.state = RequestState.RUNNING
-        full = n // bs
         if full > self._stored_upto:
             start = self._stored_upto
             self._stored_upto = full
             # The block list is only ever appended to (preempt/load replace it), so positions < full are stable.
-            self._post_nowait(_Ev.STORE, (start, full, blocks))
+            self._post_nowait(_Ev.STORE, (start, full, blocks, mark))
 
     def wait_processed(self) -> _Completion:
         """Resolve once the request's task has processed every event posted before this call (stores of
@@ -263,8 +324,9 @@ class Request:
         """End the request. Every full, computed block is stored (including the one completed by the last
         step); resolves once every engine block of this request may be reused."""
         self._check_alive("finish")
+        tail = self._partial_tail()
         self.state = RequestState.FINISHING
-        return self._post(_Ev.FINISH, self._partial_tail())
+        return self._post(_Ev.FINISH, tail)
 
     def preempt(self) -> _Completion:
         """Give up the request's blocks but keep it open. Resolves once they may be reused; afterwards
@@ -300,7 +362,7 @@ class Request:
         )
 
     # ---------------------------------------------------------------- internals
-    def _partial_tail(self) -> tuple[int, int, int] | None:
+    def _partial_tail(self) -> tuple[int, int, int, Any] | None:
         """(block index, engine block, tokens) of a partially computed last block, when configured to store it."""
         if not self._off.store_partial_last_block:
             return None
@@ -308,7 +370,7 @@ class Request:
         full, k = divmod(self.num_computed_tokens, bs)
         if k == 0 or full >= len(self._blocks):
             return None
-        return full, self._blocks[full], k
+        return full, self._blocks[full], k, self._off._mark()
 
     def _check_alive(self, what: str) -> None:
         if self.state in _ENDED or self._abort_requested:
@@ -368,6 +430,9 @@ class Request:
                 if fut is not None and fut.cancelled() and kind in (_Ev.LOOKUP, _Ev.LOAD):
                     # Withdrawn before it ran: leave no trace (pins of a withdrawn load are released).
                     if kind is _Ev.LOAD:
+                        ticket = payload[2]
+                        if ticket is not None and not ticket.done():
+                            ticket.set_result(None)
                         self._unpin()
                         self._blocks = []
                         self._block_set = set()
@@ -406,7 +471,10 @@ class Request:
         finally:
             self._waiter = None
             while events:  # only reachable if the task itself was cancelled (offloader shutdown)
-                kind, _, fut = events.popleft()
+                kind, payload, fut = events.popleft()
+                if kind is _Ev.LOAD and payload[2] is not None and not payload[2].done():
+                    payload[2].set_exception(RequestStateError(f"request {self.request_id!r} ended"))
+                    payload[2].exception()
                 if fut is not None and not fut.done():
                     if kind is _Ev.ABORT:
                         fut.set_result(None)
@@ -445,8 +513,8 @@ class Request:
             self._pinned = []
             self._pinned_slots = []
 
-    def _do_store(self, start: int, end: int, blocks: list[int]) -> None:
-        tf = self._off._store_blocks(self._chain(end), start, end, blocks)
+    def _do_store(self, start: int, end: int, blocks: list[int], mark: Any) -> None:
+        tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark)
         if tf is not None:
             self._track(tf)
 
@@ -455,10 +523,10 @@ class Request:
             return chain_seed(salt=self.salt, extra_keys=self.extra_keys, root=self._off.layout.root)
         return self._chain(index)[index - 1]
 
-    def _do_store_partial(self, index: int, block_id: int, k: int) -> None:
+    def _do_store_partial(self, index: int, block_id: int, k: int, mark: Any) -> None:
         bs = self._off.block_size
         key = partial_block_hash(self._parent(index), self.token_ids[index * bs : index * bs + k])
-        tf = self._off._store_one(key, self._parent(index), index, block_id)
+        tf = self._off._store_one(key, self._parent(index), index, block_id, mark)
         if tf is not None:
             self._track(tf)
 
@@ -486,10 +554,15 @@ class Request:
         self._hit_blocks = hit + (1 if self._partial else 0)
         return hit * bs + self._partial
 
-    async def _do_load(self, block_ids: list[int]) -> int:
+    async def _do_load(
+        self, payload: tuple[list[int], Any, asyncio.Future[TransferFuture | None] | None]
+    ) -> int:
+        block_ids, mark, ticket = payload
         n = len(block_ids)
         if n == 0:
             self._unpin()
+            if ticket is not None and not ticket.done():
+                ticket.set_result(None)
             return 0
         keys, slots = self._pinned[:n], self._pinned_slots[:n]
         extra = self._pinned[n:]
@@ -498,7 +571,15 @@ class Request:
         if extra:
             self._off._unpin(extra)
         # The loaded entries stay pinned until the copy reading their slots completes (done callback).
-        tf = self._off._load_blocks(keys, slots, block_ids)
+        try:
+            tf = self._off._load_blocks(keys, slots, block_ids, mark)
+        except BaseException as exc:
+            if ticket is not None and not ticket.done():
+                ticket.set_exception(exc)
+                ticket.exception()  # the load's own awaitable reports it; this one may never be awaited
+            raise
+        if ticket is not None and not ticket.done():
+            ticket.set_result(tf)
         self._track(tf)
         with contextlib.suppress(TransferError):
             await tf

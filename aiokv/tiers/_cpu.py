@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._cuda import alloc_host_buffer, cuda_available
 from .._errors import CapacityError, InvalidArgumentError, InvalidTypeError
 from ._index import BlockIndex
 from ._policies import EvictionPolicy, make_policy
 
 if TYPE_CHECKING:
     from .._layout import KVLayout
+    from ..transfer._binding import DeviceBinding
 
 __all__ = ["CPUTier", "CPUTierStats"]
 
@@ -35,8 +36,11 @@ class CPUTierStats:
 class CPUTier:
     """Host-memory tier: ``capacity_bytes // slot_bytes`` slots in one buffer allocated up front.
 
-    The buffer is page-locked when CUDA is present (``pinned=None`` decides automatically) so GPU copies run
-    asynchronously at full bandwidth. ``eviction`` overrides the offloader's policy for this tier.
+    For a device layout (CUDA, or a simulated device) the buffer is page-locked in place (``cudaHostRegister``
+    of exactly the buffer: no rounding, released with the tier) so copies to and from it are asynchronous;
+    ``pinned=False`` is refused there, because it would make every copy synchronous on the calling thread.
+    A CPU layout's buffer is never pinned (the copy kernel gains nothing from it). ``stats().pinned_memory``
+    reports what really happened. ``eviction`` overrides the offloader's policy for this tier.
     """
 
     name = "cpu"
@@ -52,15 +56,25 @@ class CPUTier:
             raise InvalidTypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
         if capacity_bytes <= 0:
             raise InvalidArgumentError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        if pinned is not None and not isinstance(pinned, bool):
+            raise InvalidTypeError(f"pinned must be a bool or None, got {type(pinned).__name__}")
         self.capacity_bytes = capacity_bytes
         self.eviction = eviction
         self.pinned = pinned
         self._index: BlockIndex | None = None
         self._buffer: torch.Tensor | None = None
+        self._device: DeviceBinding | None = None
+        self._pinned_memory = False
+        self._unpin_at_exit: weakref.finalize[Any, Any] | None = None
         self.slot_bytes = 0
 
-    def bind(self, layout: KVLayout, default_eviction: str | EvictionPolicy) -> None:
-        """Size the slots for ``layout`` and allocate the buffer (once)."""
+    def bind(
+        self,
+        layout: KVLayout,
+        default_eviction: str | EvictionPolicy,
+        device: DeviceBinding | None = None,
+    ) -> None:
+        """Size the slots for ``layout`` and allocate the buffer (once); page-lock it for a ``device``."""
         if self._index is not None:
             raise InvalidArgumentError("a CPUTier can serve only one offloader")
         slot_bytes = layout.slot_bytes
@@ -69,12 +83,26 @@ class CPUTier:
             raise CapacityError(
                 f"capacity_bytes must hold at least one block of {slot_bytes} bytes, got {self.capacity_bytes}"
             )
-        pinned = cuda_available() if self.pinned is None else self.pinned
+        if device is not None and self.pinned is False:
+            raise InvalidArgumentError(
+                f"pinned=False cannot serve a {device.kind} layout: copies from unpinned host memory are"
+                " synchronous; leave pinned unset"
+            )
+        if device is None and self.pinned:
+            raise InvalidArgumentError(
+                "pinned=True needs a device layout (cuda or simulated); a cpu layout is copied by memcpy"
+            )
         policy = make_policy(self.eviction if self.eviction is not None else default_eviction, num_slots)
-        self._buffer = alloc_host_buffer(num_slots * slot_bytes, pinned=pinned)
+        buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8)
+        if device is not None:
+            device.pin(buffer)  # raises DeviceError when the memory cannot be locked
+            self._device = device
+            self._pinned_memory = device.is_pinned(buffer)
+            # An offloader that is never closed still unregisters the memory before it is freed.
+            self._unpin_at_exit = weakref.finalize(self, device.unpin, buffer)
+        self._buffer = buffer
         self._index = BlockIndex(num_slots, policy)
         self.slot_bytes = slot_bytes
-        self._pinned_memory = pinned
 
     @property
     def index(self) -> BlockIndex:
@@ -99,7 +127,12 @@ class CPUTier:
         return self.buffer[start : start + self.slot_bytes]
 
     def release(self) -> None:
+        """Drop the buffer (unpinning it). Only once nothing copies to or from it any more."""
         self._buffer = None
+        if self._unpin_at_exit is not None:
+            self._unpin_at_exit()  # unpins once
+            self._unpin_at_exit = None
+            self._pinned_memory = False
 
     def stats(self) -> CPUTierStats:
         if self._index is None:

@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from ._future import call_soon_threadsafe_guarded
 
-__all__ = ["GATHER_GROUP", "HAVE_NATIVE", "SCATTER_GROUP", "CPUStream", "copy_segments"]
+__all__ = ["GATHER_GROUP", "HAVE_NATIVE", "SCATTER_GROUP", "CPUStream", "CopyPool", "copy_segments"]
 
 try:
     from .._native._copy import copy_segments as _native_copy
@@ -53,59 +53,141 @@ def copy_segments(
         _python_copy(dst, src, nbytes)
 
 
+class CopyPool:
+    """Splits one large segment copy over ``threads`` threads (the caller's and ``threads - 1`` helpers).
+
+    Parts are cut at segment boundaries, of about equal bytes; batches under :attr:`MIN_SPLIT_BYTES` are
+    copied by the caller alone (waking a helper costs more than it saves)."""
+
+    MIN_SPLIT_BYTES = 2 << 20
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._queues: list[queue.SimpleQueue[Any]] = []
+        self._threads: list[threading.Thread] = []
+        for i in range(threads - 1):
+            q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            t = threading.Thread(target=self._work, args=(q,), name=f"aiokv-copy-{i}", daemon=True)
+            t.start()
+            self._queues.append(q)
+            self._threads.append(t)
+        self._lock = threading.Lock()  # one split copy at a time: two streams must not interleave parts
+
+    @staticmethod
+    def _work(q: queue.SimpleQueue[Any]) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            args, done, errors = item
+            try:
+                copy_segments(*args)
+            except BaseException as exc:
+                errors.append(exc)
+            done.set()
+
+    def copy(
+        self,
+        dst: npt.NDArray[np.int64],
+        src: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+        group: int = 1,
+    ) -> None:
+        n = len(nbytes)
+        total = int(nbytes.sum()) if n else 0
+        if total < self.MIN_SPLIT_BYTES or n < 2 or not self._lock.acquire(blocking=False):
+            copy_segments(dst, src, nbytes, group)
+            return
+        try:
+            parts = min(self.threads, n)
+            cuts = np.searchsorted(
+                np.cumsum(nbytes), [total * k // parts for k in range(1, parts)], side="right"
+            )
+            bounds = [0, *(int(c) for c in cuts), n]
+            errors: list[BaseException] = []
+            waits: list[threading.Event] = []
+            for k in range(1, parts):
+                a, b = bounds[k], bounds[k + 1]
+                if a >= b:
+                    continue
+                done = threading.Event()
+                self._queues[k - 1].put(((dst[a:b], src[a:b], nbytes[a:b], group), done, errors))
+                waits.append(done)
+            a, b = bounds[0], bounds[1]
+            try:
+                if a < b:
+                    copy_segments(dst[a:b], src[a:b], nbytes[a:b], group)
+            finally:
+                for done in waits:
+                    done.wait()
+            if errors:
+                raise errors[0]
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
+
+
 _STOP = object()
 
 
 class CPUStream:
-    """A FIFO of copy jobs executed by one worker thread; completion is delivered on the loop.
+    """A FIFO of copy batches executed by one worker thread; completion is delivered on the loop.
 
-    ``submit(job)`` enqueues immediately. The worker drains whatever is queued, runs ``run(job)`` for each in
-    order (an exception becomes the job's ``_error``) and hands the finished batch to ``complete`` on the loop
-    with a single ``call_soon_threadsafe``.
+    ``submit(jobs)`` enqueues a batch (a list of TransferFutures). The worker takes whatever batches are
+    queued, merged into one, runs ``run(batch)`` (an exception becomes every job's ``_error``) and hands the
+    finished batch to ``complete`` on the loop with a single ``call_soon_threadsafe``.
     """
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         name: str,
-        run: Callable[[Any], None],
+        run: Callable[[list[Any]], None],
         complete: Callable[[list[Any]], None],
     ) -> None:
         self._loop = loop
-        self._run_job = run
+        self._run_batch = run
         self._complete = complete
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=f"aiokv-{name}", daemon=True)
         self._closed = False
         self._thread.start()
 
-    def submit(self, job: Any) -> None:
+    def submit(self, jobs: list[Any]) -> None:
         if self._closed:
             raise RuntimeError("stream is closed")
-        self._queue.put(job)
+        self._queue.put(jobs)
 
     def _work(self) -> None:
         get = self._queue.get
         get_nowait = self._queue.get_nowait
-        run = self._run_job
+        run = self._run_batch
         stop = False
         while not stop:
-            batch = [get()]
+            item = get()
+            batch: list[Any] = []
             while True:
+                if item is _STOP:
+                    stop = True
+                    break
+                batch.extend(item)
                 try:
-                    batch.append(get_nowait())
+                    item = get_nowait()
                 except queue.Empty:
                     break
-            if batch[-1] is _STOP:
-                batch.pop()
-                stop = True
-            for job in batch:
-                try:
-                    run(job)
-                except BaseException as exc:
+            if not batch:
+                continue
+            try:
+                run(batch)
+            except BaseException as exc:
+                for job in batch:
                     job._error = exc
-            if batch:
-                call_soon_threadsafe_guarded(self._loop, self._complete, batch)
+            call_soon_threadsafe_guarded(self._loop, self._complete, batch)
 
     def close(self) -> None:
         """Stop after the queued jobs; joins the worker thread (bounded)."""

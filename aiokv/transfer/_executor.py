@@ -4,36 +4,56 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._errors import ClosedError, TransferError
+from .._errors import BlockRangeError, ClosedError, InvalidArgumentError, InvalidTypeError, TransferError
 from .._layout import KVLayout
-from ._cpu import GATHER_GROUP, SCATTER_GROUP, CPUStream, copy_segments
-from ._future import TransferFuture, call_soon_threadsafe_guarded
+from ._binding import DeviceBinding
+from ._cpu import GATHER_GROUP, SCATTER_GROUP, CopyPool, CPUStream
+from ._device import DeviceBackend, DeviceStats, Mark
+from ._future import TransferFuture
 
-__all__ = ["ExecutorStats", "TransferExecutor"]
+__all__ = ["DEFAULT_STAGING_BYTES", "ExecutorStats", "TransferExecutor"]
+
+DEFAULT_STAGING_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class ExecutorStats:
-    backend: str
+    backend: str  # "cpu", "cuda" or "sim"
     in_flight: int
     in_flight_bytes: int
-    submitted: int
+    submitted: int  # TransferFutures created
     failed: int
+    batches: int = 0  # coalesced submissions handed to the streams (one per direction per loop tick at most)
+    copy_threads: int = 1  # CPU backend: threads one large copy is split over
+    device: DeviceStats | None = None  # device backends: staging memory, chunks, marks
+
+
+def _default_copy_threads() -> int:
+    return max(
+        1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    )
 
 
 class TransferExecutor:
     """Copies between the engine's KV tensors and a host buffer of ``slot_bytes``-sized slots.
 
-    Two FIFO streams, one per direction (stores: engine -> host, loads: host -> engine). ``submit_*`` puts the
-    copy on its stream *before* creating the :class:`TransferFuture` it returns, so a future always stands for
-    submitted work. On CUDA the streams are ``torch.cuda.Stream`` objects (stores ordered after the engine's
-    compute stream); on CPU they are worker threads running a GIL-free memcpy kernel.
+    Two FIFO streams, one per direction (stores: engine -> host, loads: host -> engine). ``submit_*`` accepts
+    a copy and returns its :class:`TransferFuture`; everything accepted in one loop tick in one direction is
+    handed to its stream as one submission at the end of the tick.
+
+    Backends: a CPU layout without a device copies with a GIL-free C kernel on a worker thread per direction
+    (large batches split over ``copy_threads``). A device layout (CUDA, or any layout with ``device=`` a
+    :class:`~aiokv.transfer.SimulatedDevice`) goes through :class:`~aiokv.transfer._device.DeviceBackend`:
+    per-direction streams ordered after compute-stream *marks*, a fixed staging area of ``staging_bytes``,
+    blocking completion events.
     """
 
     def __init__(
@@ -42,103 +62,234 @@ class TransferExecutor:
         host: torch.Tensor,
         loop: asyncio.AbstractEventLoop,
         *,
+        device: DeviceBinding | None = None,
         compute_stream: Any = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        copy_threads: int | None = None,
     ) -> None:
         if host.dtype != torch.uint8 or host.dim() != 1 or not host.is_contiguous():
-            raise ValueError("host buffer must be a contiguous 1-d uint8 tensor")
+            raise InvalidArgumentError("host buffer must be a contiguous 1-d uint8 tensor")
+        slot_bytes = layout.slot_bytes
+        if host.numel() < slot_bytes:
+            raise InvalidArgumentError(f"host buffer must hold at least one slot of {slot_bytes} bytes")
+        if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int):
+            raise InvalidTypeError(f"staging_bytes must be an int, got {type(staging_bytes).__name__}")
+        if copy_threads is not None and (
+            isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or copy_threads < 1
+        ):
+            raise InvalidArgumentError(f"copy_threads must be an int >= 1, got {copy_threads!r}")
+        if device is None and layout.is_cuda:
+            from .._cuda import CudaDevice
+
+            device = CudaDevice(layout.device)
         self._layout = layout
         self._host = host
         self._host_addr = host.data_ptr()
+        self._num_slots = host.numel() // slot_bytes
         self._loop = loop
         self._closed = False
         self._in_flight: set[TransferFuture] = set()
         self._in_flight_bytes = 0
         self._submitted = 0
         self._failed = 0
-        self.backend = "cuda" if layout.is_cuda else "cpu"
-        if layout.is_cuda:
-            from .._cuda import CudaTransferBackend
-
-            self._cuda: CudaTransferBackend | None = CudaTransferBackend(layout, host, compute_stream)
-            self._streams: tuple[CPUStream, CPUStream] | None = None
+        self._batches = 0
+        self._pending: tuple[list[TransferFuture], list[TransferFuture]] = ([], [])
+        self._flush_scheduled = False
+        self._device: DeviceBinding | None = device
+        self._dev: DeviceBackend | None = None
+        self._streams: tuple[CPUStream, CPUStream] | None = None
+        self._pool: CopyPool | None = None
+        self._copy_threads = 1
+        if device is not None:
+            self.backend = device.kind
+            self._dev = DeviceBackend(
+                device,
+                layout,
+                host,
+                loop,
+                self._complete_batch,
+                staging_bytes=staging_bytes,
+                compute_stream=compute_stream,
+            )
         else:
-            self._cuda = None
+            self.backend = "cpu"
+            self._copy_threads = copy_threads if copy_threads is not None else _default_copy_threads()
+            self._pool = CopyPool(self._copy_threads) if self._copy_threads > 1 else None
             self._streams = (
                 CPUStream(loop, "store", self._run_store, self._complete_batch),
                 CPUStream(loop, "load", self._run_load, self._complete_batch),
             )
 
-    # ------------------------------------------------------------------ copies
+    @property
+    def device(self) -> DeviceBinding | None:
+        """The device binding (CUDA or simulated), ``None`` on the CPU backend."""
+        return self._device
+
+    @property
+    def compute_stream(self) -> Any:
+        """The stream marks are taken on by default (device backends)."""
+        return self._dev.compute_stream if self._dev is not None else None
+
+    # ------------------------------------------------------------------ ordering marks
+    def mark(self, stream: Any = None) -> Mark | None:
+        """Device backends: record the compute stream's current point; copies submitted with ``after=`` that
+        mark wait for it on the device. ``None`` on the CPU backend (the host already ordered everything)."""
+        if self._dev is None:
+            return None
+        return self._dev.mark(stream)
+
+    # ------------------------------------------------------------------ CPU copies
     def _copy_store(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> None:
         """Runs on the store worker thread (CPU backend)."""
         engine, host, nbytes = self._layout.copy_plan(block_ids, slot_ids, self._host_addr)
-        copy_segments(host, engine, nbytes, GATHER_GROUP)
+        self._copy(host, engine, nbytes, GATHER_GROUP)
 
     def _copy_load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> None:
         """Runs on the load worker thread (CPU backend)."""
         engine, host, nbytes = self._layout.copy_plan(block_ids, slot_ids, self._host_addr)
-        copy_segments(engine, host, nbytes, SCATTER_GROUP)
+        self._copy(engine, host, nbytes, SCATTER_GROUP)
 
-    def _run_store(self, job: _Job) -> None:
+    def _copy(self, dst: Any, src: Any, nbytes: Any, group: int) -> None:
+        from ._cpu import copy_segments
+
+        if self._pool is not None:
+            self._pool.copy(dst, src, nbytes, group)
+        else:
+            copy_segments(dst, src, nbytes, group)
+
+    @staticmethod
+    def _merged(batch: list[TransferFuture]) -> tuple[list[int], list[int]]:
+        """One copy for the whole batch, slot order (the host side sequential)."""
+        if len(batch) == 1:
+            tf = batch[0]
+            pairs = sorted(zip(tf.slot_ids, tf.block_ids, strict=True))
+        else:
+            pairs = sorted(p for tf in batch for p in zip(tf.slot_ids, tf.block_ids, strict=True))
+        return [p[1] for p in pairs], [p[0] for p in pairs]
+
+    def _run_store(self, batch: list[TransferFuture]) -> None:
         try:
-            self._copy_store(job.block_ids, job.slot_ids)
+            blocks, slots = self._merged(batch)
+            self._copy_store(blocks, slots)
         except BaseException as exc:
             raise _transfer_error("store", exc) from exc
 
-    def _run_load(self, job: _Job) -> None:
+    def _run_load(self, batch: list[TransferFuture]) -> None:
         try:
-            self._copy_load(job.slot_ids, job.block_ids)
+            blocks, slots = self._merged(batch)
+            self._copy_load(slots, blocks)
         except BaseException as exc:
             raise _transfer_error("load", exc) from exc
 
-    def _complete_batch(self, batch: list[_Job]) -> None:
+    # ------------------------------------------------------------------ completion
+    def _complete_batch(self, batch: list[TransferFuture]) -> None:
         """Loop thread: account for finished copies, then complete their futures (callbacks run in order)."""
         in_flight = self._in_flight
-        for job in batch:
-            tf = job.future
-            assert tf is not None, "a job completed before its future was attached"
+        for tf in batch:
             in_flight.discard(tf)
             self._in_flight_bytes -= tf.nbytes
-            if job._error is not None:
-                tf._error = _transfer_error(tf.kind, job._error)
+            if tf._error is not None:
+                tf._error = _transfer_error(tf.kind, tf._error)
                 self._failed += 1
             tf._complete()
 
-    def _submit(self, kind: str, block_ids: Sequence[int], slot_ids: Sequence[int]) -> TransferFuture:
+    # ------------------------------------------------------------------ submission
+    def _submit(
+        self, kind: str, block_ids: Sequence[int], slot_ids: Sequence[int], mark: Mark | None = None
+    ) -> TransferFuture:
+        """Accept a copy (arguments already validated). Loop thread only."""
         if self._closed:
             raise ClosedError("transfer executor is closed")
-        job = _Job(block_ids, slot_ids)
-        event = None
-        if self._cuda is not None:
-            loop = self._loop
-
-            def on_done(error: BaseException | None) -> None:  # CUDA waiter thread
-                job._error = error
-                call_soon_threadsafe_guarded(loop, self._complete_batch, [job])
-
-            event = self._cuda.enqueue(kind == "store", list(block_ids), list(slot_ids), on_done)
-        else:
-            assert self._streams is not None
-            self._streams[0 if kind == "store" else 1].submit(job)
-        # The copy is on its stream: only now does its future exist. Completion is delivered through the loop,
-        # which cannot run before this method returns, so attaching the future here cannot race.
-        tf = TransferFuture(self._loop, kind, block_ids, slot_ids, len(block_ids) * self._layout.slot_bytes)
-        tf.event = event
-        job.future = tf
+        tf = TransferFuture(
+            self._loop,
+            kind,
+            block_ids,
+            slot_ids,
+            len(block_ids) * self._layout.slot_bytes,
+            device=self._device,
+            mark=mark,
+        )
+        self._pending[0 if kind == "store" else 1].append(tf)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
         self._submitted += 1
         self._in_flight.add(tf)
         self._in_flight_bytes += tf.nbytes
         return tf
 
-    def submit_store(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> TransferFuture:
-        """Copy engine blocks ``block_ids[i]`` into host slots ``slot_ids[i]``."""
-        return self._submit("store", block_ids, slot_ids)
+    def _flush(self) -> None:
+        """End of the tick: hand each direction's accepted copies to its stream as one submission."""
+        self._flush_scheduled = False
+        stores, loads = self._pending
+        self._pending = ([], [])
+        for store, jobs in ((True, stores), (False, loads)):
+            if not jobs:
+                continue
+            self._batches += 1
+            try:
+                if self._dev is not None:
+                    self._dev.submit(store, jobs)
+                else:
+                    assert self._streams is not None
+                    self._streams[0 if store else 1].submit(jobs)
+                    for tf in jobs:
+                        tf._set_submitted()
+            except BaseException as exc:  # nothing of this batch reached a stream: report it failed now
+                for tf in jobs:
+                    tf._error = exc
+                self._complete_batch(jobs)
 
-    def submit_load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> TransferFuture:
-        """Copy host slots ``slot_ids[i]`` into engine blocks ``block_ids[i]``."""
-        return self._submit("load", block_ids, slot_ids)
+    def submit_store(
+        self, block_ids: Sequence[int], slot_ids: Sequence[int], *, after: Mark | None = None
+    ) -> TransferFuture:
+        """Copy engine blocks ``block_ids[i]`` into host slots ``slot_ids[i]``.
+
+        On a device backend the copy waits for ``after`` (a :meth:`mark`), or for the compute stream's point
+        at this call when ``after`` is ``None``."""
+        ids, slots = self._check(block_ids, slot_ids)
+        return self._submit("store", ids, slots, after if after is not None else self.mark())
+
+    def submit_load(
+        self, slot_ids: Sequence[int], block_ids: Sequence[int], *, after: Mark | None = None
+    ) -> TransferFuture:
+        """Copy host slots ``slot_ids[i]`` into engine blocks ``block_ids[i]`` (ordered like submit_store)."""
+        ids, slots = self._check(block_ids, slot_ids)
+        return self._submit("load", ids, slots, after if after is not None else self.mark())
+
+    def _check(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        if self._closed:
+            raise ClosedError("transfer executor is closed")
+        ids = self._layout.check_block_ids(block_ids, "block_ids")
+        if isinstance(slot_ids, (str, bytes)):
+            raise InvalidTypeError(f"slot_ids must be a sequence of ints, got {type(slot_ids).__name__}")
+        slots: list[int] = []
+        for raw in slot_ids:
+            try:
+                if isinstance(raw, bool):
+                    raise TypeError
+                s = operator.index(raw)
+            except TypeError:
+                raise InvalidTypeError(f"slot_ids must contain ints, got {raw!r}") from None
+            if s < 0 or s >= self._num_slots:
+                raise BlockRangeError(f"slot_ids must be in [0, {self._num_slots}), got {s}")
+            slots.append(s)
+        if len(slots) != len(ids):
+            raise InvalidArgumentError(
+                f"slot_ids must have one slot per block, got {len(slots)} slots for {len(ids)} blocks"
+            )
+        if not ids:
+            raise InvalidArgumentError("block_ids must not be empty")
+        if len(set(slots)) != len(slots):
+            raise InvalidArgumentError(f"slot_ids must not contain duplicates, got {slots}")
+        return ids, slots
 
     # --------------------------------------------------------------- lifecycle
+    async def wait_submitted(self) -> None:
+        """Wait until every copy accepted so far is on its stream (not necessarily complete)."""
+        for tf in list(self._in_flight):
+            await tf.wait_submitted()
+
     async def drain(self) -> None:
         """Wait until every submitted copy has completed (successfully or not)."""
         while self._in_flight:
@@ -147,16 +298,19 @@ class TransferExecutor:
                 await tf
 
     async def aclose(self) -> None:
-        """Drain, then stop the streams. Idempotent."""
+        """Drain, then stop the streams. Idempotent; a cancelled close can be retried."""
         self._closed = True
         await self.drain()
         if self._streams is not None:
             for s in self._streams:
                 await asyncio.to_thread(s.close)
             self._streams = None
-        if self._cuda is not None:
-            await asyncio.to_thread(self._cuda.close)
-            self._cuda = None
+        if self._pool is not None:
+            await asyncio.to_thread(self._pool.close)
+            self._pool = None
+        if self._dev is not None:
+            await asyncio.to_thread(self._dev.close)
+            self._dev = None
 
     def stats(self) -> ExecutorStats:
         return ExecutorStats(
@@ -165,19 +319,13 @@ class TransferExecutor:
             in_flight_bytes=self._in_flight_bytes,
             submitted=self._submitted,
             failed=self._failed,
+            batches=self._batches,
+            copy_threads=self._copy_threads,
+            device=self._dev.stats() if self._dev is not None else None,
         )
 
-
-class _Job:
-    """What a stream executes; its TransferFuture is attached once the job is queued."""
-
-    __slots__ = ("_error", "block_ids", "future", "slot_ids")
-
-    def __init__(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> None:
-        self.block_ids = block_ids
-        self.slot_ids = slot_ids
-        self.future: TransferFuture | None = None
-        self._error: BaseException | None = None  # set by the worker thread
+    def __repr__(self) -> str:
+        return f"<TransferExecutor {self.backend} in_flight={len(self._in_flight)}>"
 
 
 def _transfer_error(kind: str, error: BaseException) -> TransferError:

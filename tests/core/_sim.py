@@ -132,3 +132,49 @@ class Gate:
 
         monkeypatch.setattr(executor_cls, "_copy_store", store)  # type: ignore[attr-defined]
         monkeypatch.setattr(executor_cls, "_copy_load", load)  # type: ignore[attr-defined]
+
+
+class DeviceSimEngine(SimEngine):
+    """The same engine on a simulated device: its KV writes, block reuse and checks are kernels on the
+    compute stream, so they land *after* the calls that enqueue them return, as on a GPU with asynchronous
+    scheduling. Check failures are collected (a kernel must not raise) and asserted with :meth:`verify`."""
+
+    def __init__(self, device: object, compute: object, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.device = device
+        self.stream = compute
+        self.failures: list[str] = []
+
+    def _launch(self, fn: object) -> None:
+        self.device.launch(self.stream, fn)  # type: ignore[attr-defined]
+
+    def release(self, blocks: Sequence[int]) -> None:
+        blocks = list(blocks)
+        self._launch(lambda: self._poison(blocks))
+        self.free.extend(blocks)
+
+    def _poison(self, blocks: list[int]) -> None:
+        for b in blocks:
+            for i, t in enumerate(self.tensors):
+                t[b].fill_(GARBAGE - i)
+
+    def compute(
+        self, tokens: Sequence[int], hashes: Sequence[float], blocks: Sequence[int], start: int, end: int
+    ) -> None:
+        args = (list(tokens), list(hashes), list(blocks), start, end)
+        self._launch(lambda: SimEngine.compute(self, *args))
+
+    def check_tokens(self, hashes: Sequence[float], blocks: Sequence[int], num_tokens: int) -> None:
+        args = (list(hashes), list(blocks), num_tokens)
+
+        def check() -> None:
+            try:
+                SimEngine.check_tokens(self, *args)
+            except AssertionError as exc:
+                self.failures.append(str(exc))
+
+        self._launch(check)
+
+    def verify(self) -> None:
+        self.device.synchronize_stream(self.stream)  # type: ignore[attr-defined]
+        assert not self.failures, self.failures[:3]

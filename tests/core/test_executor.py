@@ -14,7 +14,6 @@ import torch
 import aiokv
 from aiokv import ClosedError, CPUTier, KVLayout, Offloader, TransferError, TransferExecutor, TransferFuture
 from aiokv.transfer import _cpu as cpu_mod
-from aiokv.transfer import _executor as executor_mod
 from aiokv.transfer._future import call_soon_threadsafe_guarded, resolve
 
 try:
@@ -50,12 +49,12 @@ class Gate:
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        self.ran: list[tuple[str, int]] = []
+        self.ran: list[tuple[str, list[int]]] = []
 
     def wrap(self, kind: str, real: Callable[..., None]) -> Callable[..., None]:
         def copy(ex: TransferExecutor, a: Sequence[int], b: Sequence[int]) -> None:
             assert self.event.wait(GATE_TIMEOUT_S), "gate never opened"
-            self.ran.append((kind, a[0]))
+            self.ran.append((kind, list(a)))
             real(ex, a, b)
 
         return copy
@@ -81,64 +80,94 @@ async def settle(n: int = 5) -> None:
 
 # ------------------------------------------------------------------------------------- submission
 @pytest.mark.asyncio
-async def test_a_transfer_future_exists_only_after_its_job_is_queued(monkeypatch: pytest.MonkeyPatch) -> None:
-    queued: list[object] = []
-    queued_at_creation: list[int] = []
+async def test_copies_accepted_in_one_tick_reach_their_stream_as_one_submission_that_tick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A TransferFuture stands for an accepted copy: the executor hands everything accepted in one loop tick
+    to the stream at the end of that tick, one submission per direction, in submission order."""
+    handed: list[tuple[str, list[TransferFuture]]] = []
     real_submit = cpu_mod.CPUStream.submit
 
-    def submit(stream: cpu_mod.CPUStream, job: object) -> None:
-        real_submit(stream, job)
-        queued.append(job)
-
-    class RecordingFuture(TransferFuture):
-        __slots__ = ()
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            queued_at_creation.append(len(queued))
-            super().__init__(*args, **kwargs)
+    def submit(stream: cpu_mod.CPUStream, jobs: list[TransferFuture]) -> None:
+        handed.append((jobs[0].kind, list(jobs)))
+        real_submit(stream, jobs)
 
     monkeypatch.setattr(cpu_mod.CPUStream, "submit", submit)
-    monkeypatch.setattr(executor_mod, "TransferFuture", RecordingFuture)
     layout = make_layout()
     ex = TransferExecutor(layout, make_host(layout), asyncio.get_running_loop())
     try:
-        tf1 = ex.submit_store([0, 1], [0, 1])
-        assert queued_at_creation == [1]  # the future was made after its job was queued
-        assert (tf1.kind, tf1.num_blocks, tf1.nbytes) == ("store", 2, 2 * layout.slot_bytes)
-        await tf1  # the two directions are independent streams: a load must wait for the store it reads
-        tf2 = ex.submit_load([0, 1], [2, 3])
-        assert queued_at_creation == [1, 2]
-        assert (tf2.kind, tf2.event) == ("load", None)
+        stores = [ex.submit_store([b], [b]) for b in range(3)]
+        loads = [ex.submit_load([8 + i], [8 + i]) for i in range(2)]
+        assert handed == []  # accepted, handed over at the end of this tick
+        assert not any(tf.submitted or tf.done() for tf in stores + loads)
+        assert (stores[0].kind, stores[0].num_blocks, stores[0].nbytes) == ("store", 1, layout.slot_bytes)
+        await asyncio.sleep(0)
+        assert handed == [("store", stores), ("load", loads)]
+        assert all(tf.submitted for tf in stores + loads)
+        for tf in stores + loads:
+            await tf
+        assert ex.stats().batches == 2
+        assert block_bytes_of(layout, 0) != b""  # the copies ran
+        tf2 = ex.submit_load([0, 1], [12, 13])  # a later tick: a submission of its own
+        assert tf2.event is None  # the CPU backend has no device event
         await tf2
-        assert block_bytes_of(layout, 2) == block_bytes_of(layout, 0)
+        assert block_bytes_of(layout, 12) == block_bytes_of(layout, 0)
+        assert ex.stats().batches == 3
     finally:
         await ex.aclose()
 
 
 @pytest.mark.asyncio
-async def test_a_failed_submission_leaves_no_future_and_no_accounting(
+async def test_a_batch_that_cannot_reach_its_stream_fails_its_futures_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    made: list[object] = []
-    monkeypatch.setattr(executor_mod, "TransferFuture", lambda *a, **k: made.append(a))
-
-    def refuse(stream: cpu_mod.CPUStream, job: object) -> None:
+    def refuse(stream: cpu_mod.CPUStream, jobs: object) -> None:
         raise RuntimeError("stream is closed")
 
     monkeypatch.setattr(cpu_mod.CPUStream, "submit", refuse)
     layout = make_layout()
     ex = TransferExecutor(layout, make_host(layout), asyncio.get_running_loop())
     try:
-        with pytest.raises(RuntimeError, match="stream is closed"):
-            ex.submit_store([0], [0])
-        assert made == []
+        tf = ex.submit_store([0], [0])
+        with pytest.raises(TransferError, match=r"store copy failed: RuntimeError\('stream is closed'\)"):
+            await tf
         stats = ex.stats()
-        assert (stats.submitted, stats.in_flight, stats.in_flight_bytes) == (0, 0, 0)
+        assert (stats.submitted, stats.failed, stats.in_flight, stats.in_flight_bytes) == (1, 1, 0, 0)
     finally:
         monkeypatch.undo()
         await ex.aclose()
     with pytest.raises(ClosedError, match=r"transfer executor is closed"):
         ex.submit_store([0], [0])
+    assert ex.stats().submitted == 1  # a refused call creates no future
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda ex: ex.submit_load([10**7], [0]), r"slot_ids must be in \[0, 16\), got 10000000"),
+        (lambda ex: ex.submit_load([0], [10**7]), r"block_ids must be in \[0, 16\), got 10000000"),
+        (
+            lambda ex: ex.submit_store([0, 1], [0]),
+            r"slot_ids must have one slot per block, got 1 slots for 2",
+        ),
+        (lambda ex: ex.submit_store([], []), r"block_ids must not be empty"),
+        (lambda ex: ex.submit_store([0, 1], [3, 3]), r"slot_ids must not contain duplicates"),
+        (lambda ex: ex.submit_store([0], [-1]), r"slot_ids must be in \[0, 16\), got -1"),
+        (lambda ex: ex.submit_store([0], ["1"]), r"slot_ids must contain ints, got '1'"),
+        (lambda ex: ex.submit_store([0], "1"), r"slot_ids must be a sequence of ints, got str"),
+    ],
+)
+async def test_public_submissions_are_validated(call: Any, message: str) -> None:
+    """A bad block or slot id is a clear error, never a copy out of bounds (it used to crash the process)."""
+    layout = make_layout()
+    ex = TransferExecutor(layout, make_host(layout), asyncio.get_running_loop())
+    try:
+        with pytest.raises(aiokv.AiokvError, match=message):
+            call(ex)
+        assert ex.stats().submitted == 0
+    finally:
+        await ex.aclose()
 
 
 # ------------------------------------------------------------------------------------------ order
@@ -169,7 +198,7 @@ async def test_futures_complete_in_fifo_order_per_direction(gate: Gate) -> None:
     for kind in ("store", "load"):
         submitted = [i for i in range(NB) if (i % 3 != 0) == (kind == "store")]
         assert [i for k, i in completed if k == kind] == submitted
-        assert [i for k, i in gate.ran if k == kind] == submitted
+        assert sorted(i for k, ids in gate.ran if k == kind for i in ids) == submitted  # each ran once
     assert ex.stats().in_flight_bytes == 0
 
 
@@ -337,13 +366,14 @@ def test_completion_after_the_loop_closed_does_not_kill_the_worker(
     assert ex._streams is not None
     store_stream = ex._streams[0]
     tf = ex.submit_store([3], [0])
+    loop.run_until_complete(asyncio.sleep(0))  # one tick: the copy is handed to its stream
     loop.close()  # the engine went away with a copy still running
     gate.open()
     store_stream.close()  # joins the worker after it completed the copy and tried to notify the loop
     ex._streams[1].close()
     assert not store_stream._thread.is_alive()
     assert thread_errors == []
-    assert gate.ran == [("store", 3)]
+    assert gate.ran == [("store", [3])]
     assert slot_bytes_of(layout, host, 0) == block_bytes_of(layout, 3)
     assert not tf.done()  # nobody was left to resolve it
 

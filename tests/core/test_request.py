@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -12,6 +10,7 @@ import pytest
 import aiokv
 from aiokv import CPUTier, Offloader, RequestState
 
+from ._schedules import run_schedule
 from ._sim import Gate, SimEngine, running_hashes
 
 pytestmark = pytest.mark.asyncio
@@ -239,14 +238,15 @@ async def test_cancelled_load_after_submission_keeps_blocks_guarded(monkeypatch:
         dst = eng.alloc(2)
         assert dst is not None
         submitted = asyncio.Event()
-        orig = aiokv.TransferExecutor.submit_load
+        orig = aiokv.TransferExecutor._submit
 
-        def spy(self: aiokv.TransferExecutor, *args: Any) -> aiokv.TransferFuture:
-            tf = orig(self, *args)
-            submitted.set()
+        def spy(self: aiokv.TransferExecutor, kind: str, *args: Any) -> aiokv.TransferFuture:
+            tf = orig(self, kind, *args)
+            if kind == "load":
+                submitted.set()
             return tf
 
-        monkeypatch.setattr(aiokv.TransferExecutor, "submit_load", spy)
+        monkeypatch.setattr(aiokv.TransferExecutor, "_submit", spy)
         loading = asyncio.ensure_future(_wait(req.load(dst)))
         await submitted.wait()  # the request task has put the copy on its stream
         loading.cancel()
@@ -314,174 +314,6 @@ async def _wait(aw: object) -> object:
     return await aw  # type: ignore[misc]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The reuse race, adversarially: thousands of seeded random schedules.
-
-
-@dataclass
-class _Sim:
-    rid: str
-    tokens: list[int]
-    decode_budget: int
-    end: str
-    req: aiokv.Request | None = None
-    blocks: list[int] = field(default_factory=list)
-    computed: int = 0
-    phase: str = "lookup"
-    pending: asyncio.Future[object] | None = None
-    hashes: list[float] = field(default_factory=list)
-
-
-async def _run_schedule(seed: int, gate: Gate) -> dict[str, int]:
-    rng = random.Random(seed)
-    bs = 4
-    eng = SimEngine(num_blocks=rng.choice([6, 10, 24]), block_size=bs, num_tensors=2, width=2)
-    roomy = rng.random() < 0.4
-    cap = 256 if roomy else rng.choice([2, 3, 5, 8])
-    eviction = rng.choice(aiokv.policy_names())
-    bases = [[rng.randrange(40) for _ in range(rng.randint(4, 14))] for _ in range(3)]
-    finished: list[tuple[list[int], int]] = []
-    checked_loads = 0
-    gate.close()
-    partial = rng.random() < 0.3
-    async with Offloader(
-        eng.layout,
-        tiers=[CPUTier(capacity_bytes=cap * eng.layout.slot_bytes)],
-        eviction=eviction,
-        store_partial_last_block=partial,
-    ) as off:
-        sims: list[_Sim] = []
-        for i in range(rng.randint(2, 6)):
-            if finished and rng.random() < 0.4:
-                prev, _ = rng.choice(finished)
-                prompt = prev + [rng.randrange(40) for _ in range(rng.randint(1, 6))]
-            else:
-                base = rng.choice(bases)
-                prompt = base[: rng.randint(1, len(base))] + [
-                    rng.randrange(40) for _ in range(rng.randint(0, 5))
-                ]
-            end = rng.choices(["finish", "abort", "preempt"], weights=[6, 2, 2])[0]
-            sims.append(_Sim(f"r{i}", prompt, rng.randint(0, 6), end))
-        active = sims[: rng.randint(1, len(sims))]
-        queue = sims[len(active) :]
-        for s in active:
-            s.req = off.open(s.rid, s.tokens)
-
-        def start(s: _Sim, aw: object) -> None:
-            s.pending = asyncio.ensure_future(_wait(aw))
-
-        while active:
-            if rng.random() < 0.3:
-                gate.allow(rng.randint(1, 3))
-            s = rng.choice(active)
-            if s.pending is not None and not s.pending.done():
-                if all(x.pending is not None and not x.pending.done() for x in active):
-                    gate.open()
-                    await asyncio.wait(
-                        [x.pending for x in active if x.pending], return_when=asyncio.FIRST_COMPLETED
-                    )
-                    gate.close()
-                else:
-                    await asyncio.sleep(0)  # a scheduling point: lets request tasks and callbacks run
-                continue
-            req = s.req
-            assert req is not None
-            result = s.pending.result() if s.pending is not None else None
-            s.pending = None
-            if s.phase == "lookup":
-                start(s, req.lookup())
-                s.phase = "lookup-wait"
-            elif s.phase == "lookup-wait":
-                assert isinstance(result, int)
-                n = -(-result // bs)  # a partially filled last block counts
-                n = min(n, len(eng.free), rng.randint(0, n))
-                dst = eng.alloc(n)
-                assert dst is not None
-                s.blocks = dst
-                s.computed = min(result, n * bs)
-                start(s, req.load(dst))
-                s.phase = "load-wait"
-            elif s.phase == "load-wait":
-                s.hashes = running_hashes(s.tokens)
-                # THE check: restored KV equals a recomputation of its prefix.
-                eng.check_tokens(s.hashes, s.blocks, s.computed)
-                assert req.num_computed_tokens == s.computed
-                checked_loads += len(s.blocks)
-                s.phase = "run"
-            elif s.phase == "run":
-                known = len(s.tokens)
-                if s.computed < known:
-                    k = rng.randint(1, known - s.computed)
-                    need = -(-(s.computed + k) // bs) - len(s.blocks)
-                    new = eng.alloc(need) if need > 0 else []
-                    if new is None:
-                        start(s, req.preempt())
-                        s.phase = "preempt-wait"
-                        continue
-                    s.blocks += new
-                    s.hashes = running_hashes(s.tokens)
-                    eng.compute(s.tokens, s.hashes, s.blocks, s.computed, s.computed + k)
-                    s.computed += k
-                    sampled: tuple[int, ...] = ()
-                    if s.computed == known and s.decode_budget > 0:
-                        s.decode_budget -= 1
-                        sampled = (rng.randrange(40),)
-                        s.tokens.append(sampled[0])
-                    req.step(s.computed, new_token_ids=sampled, new_block_ids=new)
-                    if not sampled and s.computed == known:
-                        s.phase = "end"
-                elif rng.random() < 0.5:
-                    s.phase = "end"
-                if s.phase == "end" or rng.random() < 0.08:
-                    kind = s.end if s.phase == "end" else rng.choice(["preempt", "abort", "finish"])
-                    if kind == "preempt" and s.phase == "end":
-                        kind = "finish"  # a preempted request resumes; make sure it ends eventually
-                    start(s, getattr(req, kind)())
-                    s.phase = f"{kind}-wait"
-            elif s.phase in ("finish-wait", "abort-wait", "preempt-wait"):
-                eng.release(s.blocks)  # poison: the engine reuses them the instant the call resolved
-                s.blocks = []
-                if s.phase == "preempt-wait":
-                    s.computed = 0
-                    s.phase = "lookup"
-                    continue
-                if s.phase == "finish-wait":
-                    finished.append((list(s.tokens), s.computed))
-                active.remove(s)
-                if queue:
-                    nxt = queue.pop(0)
-                    nxt.req = off.open(nxt.rid, nxt.tokens)
-                    active.append(nxt)
-
-        gate.open()
-        stats = off.stats()
-        assert stats.in_flight == 0
-        cpu = off.cpu.stats()
-        assert cpu.pinned == 0
-        assert cpu.pending == 0
-        off.cpu.index.check_invariants()
-        # Everything a finished request computed is still there unless eviction (counted) took it.
-        for i, (tokens, computed) in enumerate(finished):
-            probe = off.open(f"probe{i}", tokens)
-            hit = await probe.lookup()
-            expect = min(computed // bs, (len(tokens) - 1) // bs)
-            if roomy:
-                assert stats.evictions == 0
-                assert stats.stores_dropped == 0
-                assert hit // bs >= expect, (
-                    f"seed {seed}: finished request lost blocks ({hit // bs} < {expect})"
-                )
-            n = min(-(-hit // bs), len(eng.free))
-            dst = eng.alloc(n)
-            assert dst is not None
-            await probe.load(dst)
-            eng.check_tokens(running_hashes(tokens), dst, min(hit, n * bs))
-            checked_loads += n
-            await probe.finish()
-            eng.release(dst)
-    return {"loads": checked_loads, "evictions": stats.evictions}
-
-
 @pytest.mark.parametrize("chunk", range(10))
 async def test_reuse_race_random_schedules(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine that poisons blocks the instant finish()/preempt()/abort() resolve, under seeded random
@@ -491,7 +323,7 @@ async def test_reuse_race_random_schedules(chunk: int, monkeypatch: pytest.Monke
     gate.install(monkeypatch)
     loads = evictions = 0
     for seed in range(chunk * 200, (chunk + 1) * 200):
-        out = await _run_schedule(seed, gate)
+        out = await run_schedule(seed, gate)
         loads += out["loads"]
         evictions += out["evictions"]
     assert loads > 100  # the schedules really exercised restores
