@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aiokv._errors import AiokvError, ClosedError, InvalidArgumentError
+from aiokv._errors import AiokvError, ClosedError, DeviceError, InvalidArgumentError
 
 from ._cache import BlockAllocator, PagedKVCache
 from ._model import SeqChunk, Transformer
 
 if TYPE_CHECKING:
     from aiokv._offloader import Offloader
-    from aiokv._request import Request
+    from aiokv._request import LoadCompletion, Request
 
 __all__ = ["BlockEvent", "Engine", "EngineStats", "GenerationResult", "TokenStream"]
 
@@ -130,6 +130,7 @@ class _Seq:
     handle: Request | None = None
     blocks: list[int] = field(default_factory=list)
     reported: int = 0  # blocks already given to aiokv (load or step)
+    reported_tokens: int = 0  # tokens aiokv knows (prompt at open, then each step's new tokens)
     num_computed: int = 0
     prefill_target: int = 0  # known tokens at the latest admission
     releasing: bool = False  # a preempt is returning the blocks; not admissible until it resolves
@@ -216,6 +217,9 @@ class Engine:
         self.model = model
         self.cache = cache
         self.offloader = offloader
+        # A device data path (CUDA or simulated): forwards are launched on the compute stream and steps are
+        # reported before they complete (asynchronous scheduling).
+        self._device = getattr(offloader, "device", None)
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -483,7 +487,11 @@ class Engine:
                     for s, n in plan
                 ]
                 assert self._executor is not None
-                fut = loop.run_in_executor(self._executor, self._forward, chunks, samplers)
+                fut: asyncio.Future[tuple[list[tuple[int, torch.Tensor | None] | None], float]]
+                if self._device is not None:
+                    fut = asyncio.ensure_future(self._forward_on_device(plan, chunks, samplers))
+                else:
+                    fut = loop.run_in_executor(self._executor, self._forward, chunks, samplers)
                 try:
                     sampled, elapsed = await asyncio.shield(fut)
                 except asyncio.CancelledError:
@@ -519,17 +527,51 @@ class Engine:
         """Runs in the worker thread: one forward and the sampling of every request that completed."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            # ``.cpu()`` also waits for the device: the KV writes are complete before ``step()`` reports them
-            # to aiokv, whose copies run on their own stream.
+            # ``.cpu()`` also waits for the device: the KV writes are complete before ``step()`` reports them.
             logits = self.model.forward(chunks, self.cache.tensors).cpu()
-            out: list[tuple[int, torch.Tensor | None] | None] = []
-            for row, sampler in zip(logits, samplers, strict=True):
-                if sampler is None:
-                    out.append(None)
-                    continue
-                temperature, seed, index, keep = sampler
-                out.append((_sample(row, temperature, seed, index), row.clone() if keep else None))
-        return out, time.perf_counter() - t0
+        return _sample_rows(logits, samplers), time.perf_counter() - t0
+
+    async def _forward_on_device(
+        self,
+        plan: list[tuple[_Seq, int]],
+        chunks: list[SeqChunk],
+        samplers: list[tuple[float, int, int, bool] | None],
+    ) -> tuple[list[tuple[int, torch.Tensor | None] | None], float]:
+        """Asynchronous scheduling on a device: launch the forward on the compute stream, report the step to
+        aiokv at once (its KV is not written yet: aiokv's stores wait for this point on the device), then wait
+        for the logits and sample. A simulated device runs the forward on its stream's worker, so the KV
+        writes really land after ``step()`` returned."""
+        device = self._device
+        assert device is not None
+        assert self._executor is not None
+        assert self.offloader is not None
+        loop = asyncio.get_running_loop()
+        stream = self.offloader.executor.compute_stream
+        out: list[torch.Tensor] = []
+
+        def forward() -> None:
+            with torch.inference_mode():
+                out.append(self.model.forward(chunks, self.cache.tensors))
+
+        t0 = time.perf_counter()
+        await loop.run_in_executor(self._executor, device.launch, stream, forward)
+        done = device.new_event(blocking=True)
+        device.record(done, stream)
+        for seq, n in plan:
+            self._report_step(seq, seq.num_computed + n)
+        await loop.run_in_executor(self._executor, device.synchronize, done)
+        logits = out[0].cpu()
+        return _sample_rows(logits, samplers), time.perf_counter() - t0
+
+    def _report_step(self, seq: _Seq, end: int) -> None:
+        """Tell aiokv that ``seq`` has (or, on a device, will have) the KV of its first ``end`` tokens."""
+        if seq.handle is None or seq.abort_requested:
+            return
+        new_blocks = seq.blocks[seq.reported :]
+        seq.reported = len(seq.blocks)
+        new_tokens = seq.tokens[seq.reported_tokens :]
+        seq.reported_tokens = len(seq.tokens)
+        seq.handle.step(end, new_token_ids=new_tokens, new_block_ids=new_blocks)
 
     # ------------------------------------------------------------------ sync core
 
@@ -574,29 +616,60 @@ class Engine:
                 if seq.handle is None:
                     # aiokv ids are unique per engine: a caller may reuse a request_id whose finish is pending.
                     seq.handle = self.offloader.open(f"{seq.request_id}#{seq.order}", seq.tokens)
+                    seq.reported_tokens = len(seq.tokens)
                 hit = await seq.handle.lookup()
                 n_hit = hit // self.block_size
+                hit = n_hit * self.block_size
                 if n_hit:
+                    blocks = seq.blocks[:n_hit]
                     t0 = time.perf_counter()
-                    try:
-                        await seq.handle.load(seq.blocks[:n_hit])
-                    except AiokvError:
-                        hit = 0  # the copy failed: aiokv counts nothing computed; recompute it all
-                    self._load_s += time.perf_counter() - t0
-                    seq.reported = n_hit  # the blocks are in aiokv's table either way
+                    pending = seq.handle.load(blocks)
+                    seq.reported = n_hit  # the blocks are in aiokv's table whatever the copy does
+                    if self._device is not None:
+                        # No host round trip: the forwards of this request wait for the copy on the device.
+                        hit = await pending.wait_submitted()
+                        pending.order_before()
+                        self._spawn(
+                            self._loaded_on_device(seq, pending, hit, blocks, t0),
+                            f"aiokv-engine-loaded-{seq.request_id}",
+                        )
+                    else:
+                        try:
+                            hit = await pending
+                        except AiokvError:
+                            hit = 0  # the copy failed: aiokv counts nothing computed; recompute it all
+                        self._load_s += time.perf_counter() - t0
+                        self._loaded(seq, blocks, hit)
         finally:
             self._admitting -= 1
             self._wakeup.set()
         seq.num_computed = hit
-        if hit and self._on_blocks is not None:
-            n_hit = hit // self.block_size
-            self._on_blocks(
-                BlockEvent("loaded", seq.request_id, tuple(seq.blocks[:n_hit]), tuple(seq.tokens[:hit]))
-            )
         seq.cached_tokens += hit
         self._counts["cached_tokens"] += hit
         seq.phase = Phase.RUNNING
         bisect.insort(self._running, seq, key=lambda s: s.order)
+
+    def _loaded(self, seq: _Seq, blocks: list[int], hit: int) -> None:
+        if hit and self._on_blocks is not None and seq.blocks[: len(blocks)] == blocks:
+            n = -(-hit // self.block_size)
+            self._on_blocks(BlockEvent("loaded", seq.request_id, tuple(blocks[:n]), tuple(seq.tokens[:hit])))
+
+    async def _loaded_on_device(
+        self, seq: _Seq, pending: LoadCompletion, expected: int, blocks: list[int], t0: float
+    ) -> None:
+        """Host side of a load whose consumers were ordered after it on the device."""
+        try:
+            restored = await pending
+        except AiokvError:
+            restored = 0
+        self._load_s += time.perf_counter() - t0
+        if restored != expected:
+            # Forwards already read these blocks on the device, ordered after a copy that failed: their
+            # results cannot be trusted, and there is no way to take them back.
+            raise DeviceError(
+                f"a load for request {seq.request_id!r} failed on the device after its consumers were launched"
+            )
+        self._loaded(seq, blocks, restored)
 
     def _schedule(self) -> list[tuple[_Seq, int]]:
         """Pick this step's chunks, oldest request first; allocate their blocks, preempting the newest."""
@@ -658,22 +731,19 @@ class Engine:
             self._counts["decode_tokens"] += n - prefill
             self._counts["forward_tokens"] += n
             seq.num_computed = end
-            new_blocks = seq.blocks[seq.reported :]
-            seq.reported = len(seq.blocks)
-            new_tokens: tuple[int, ...] = ()
+            token = -1
             if sample is not None:
                 token, logits = sample
                 seq.tokens.append(token)
-                new_tokens = (token,)
                 seq.last_logits = logits
                 seq.last_token_at = now
                 if seq.first_token_at is None:
                     seq.first_token_at = now
                 seq.progress.set()
-            if seq.handle is not None and not seq.abort_requested:
-                seq.handle.step(end, new_token_ids=new_tokens, new_block_ids=new_blocks)
+            if self._device is None:
+                self._report_step(seq, end)  # on a device the step was reported when the forward launched
             if sample is not None and not seq.abort_requested:
-                if seq.eos_token_id is not None and new_tokens[0] == seq.eos_token_id:
+                if seq.eos_token_id is not None and token == seq.eos_token_id:
                     seq.finish_reason = "stop"
                 elif seq.num_output >= seq.max_tokens:
                     seq.finish_reason = "length"
@@ -740,6 +810,20 @@ class Engine:
             self._notify_idle()
 
         task.add_done_callback(done)
+
+
+def _sample_rows(
+    logits: torch.Tensor, samplers: list[tuple[float, int, int, bool] | None]
+) -> list[tuple[int, torch.Tensor | None] | None]:
+    """Sample a token for every row that has a sampler (the requests whose prompt is fully computed)."""
+    out: list[tuple[int, torch.Tensor | None] | None] = []
+    for row, sampler in zip(logits, samplers, strict=True):
+        if sampler is None:
+            out.append(None)
+            continue
+        temperature, seed, index, keep = sampler
+        out.append((_sample(row, temperature, seed, index), row.clone() if keep else None))
+    return out
 
 
 def _sample(logits: torch.Tensor, temperature: float, seed: int, index: int) -> int:

@@ -6,16 +6,18 @@ import asyncio
 import contextlib
 import operator
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._errors import BlockRangeError, ClosedError, InvalidArgumentError, InvalidTypeError, TransferError
 from .._layout import KVLayout
 from ._binding import DeviceBinding
-from ._cpu import GATHER_GROUP, SCATTER_GROUP, CopyPool, CPUStream
+from ._cpu import SCATTER_GROUP, CopyPool, CPUStream, GroupTuner, copy_segments
 from ._device import DeviceBackend, DeviceStats, Mark
 from ._future import TransferFuture
 
@@ -115,6 +117,7 @@ class TransferExecutor:
             self.backend = "cpu"
             self._copy_threads = copy_threads if copy_threads is not None else _default_copy_threads()
             self._pool = CopyPool(self._copy_threads) if self._copy_threads > 1 else None
+            self._gather_tuner = GroupTuner()
             self._streams = (
                 CPUStream(loop, "store", self._run_store, self._complete_batch),
                 CPUStream(loop, "load", self._run_load, self._complete_batch),
@@ -142,7 +145,19 @@ class TransferExecutor:
     def _copy_store(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> None:
         """Runs on the store worker thread (CPU backend)."""
         engine, host, nbytes = self._layout.copy_plan(block_ids, slot_ids, self._host_addr)
-        self._copy(host, engine, nbytes, GATHER_GROUP)
+        tuner = self._gather_tuner
+        trial = tuner.trial(len(block_ids) * self._layout.slot_bytes)
+        if trial is not None:
+            # Two equal prefixes on this thread, one with the candidate and one with the best group.
+            cuts = np.searchsorted(np.cumsum(nbytes), [tuner.sample_bytes, 2 * tuner.sample_bytes])
+            a, b = int(cuts[0]) + 1, int(cuts[1]) + 1
+            for group, lo, hi in ((trial, 0, a), (tuner.best, a, b)):
+                t0 = time.perf_counter()
+                copy_segments(host[lo:hi], engine[lo:hi], nbytes[lo:hi], group)
+                tuner.record(group, int(nbytes[lo:hi].sum()), time.perf_counter() - t0)
+            engine, host, nbytes = engine[b:], host[b:], nbytes[b:]
+        if len(nbytes):
+            self._copy(host, engine, nbytes, tuner.best)
 
     def _copy_load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> None:
         """Runs on the load worker thread (CPU backend)."""
@@ -150,8 +165,6 @@ class TransferExecutor:
         self._copy(engine, host, nbytes, SCATTER_GROUP)
 
     def _copy(self, dst: Any, src: Any, nbytes: Any, group: int) -> None:
-        from ._cpu import copy_segments
-
         if self._pool is not None:
             self._pool.copy(dst, src, nbytes, group)
         else:

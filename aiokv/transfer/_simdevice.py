@@ -18,6 +18,7 @@ import contextlib
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -244,7 +245,8 @@ class SimulatedDevice(DeviceBinding):
         self._capturing: set[int] = set()
         self._fail_ops: dict[str, int] = {}  # kind -> operations left before one fails
         self._fail_enqueue = -1
-        self.allocated_bytes = 0
+        self.allocated_bytes = 0  # simulated device memory alive now
+        self.peak_bytes = 0
         self._host_cv = threading.Condition()
         self._host_waiters = 0
         self.default_stream = self.new_stream("default")
@@ -378,9 +380,22 @@ class SimulatedDevice(DeviceBinding):
 
     def _track(self, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
+        ptr = t.data_ptr()
         with self._lock:
-            self._device_mem[t.data_ptr()] = nbytes
+            self._device_mem[ptr] = nbytes
             self.allocated_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        weakref.finalize(t, self._untrack, ptr, nbytes)
+
+    def _untrack(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            if self._device_mem.pop(ptr, None) is not None:
+                self.allocated_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        """Start :attr:`peak_bytes` over from the memory allocated now."""
+        with self._lock:
+            self.peak_bytes = self.allocated_bytes
 
     def pin(self, host: torch.Tensor) -> None:
         self._pinned[host.data_ptr()] = host.numel() * host.element_size()

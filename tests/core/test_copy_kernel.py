@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiokv.transfer._cpu import HAVE_NATIVE, copy_segments
+from aiokv.transfer._cpu import HAVE_NATIVE, CopyPool, GroupTuner, copy_segments
 
 
 def _segments(rng: np.random.Generator, total: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,3 +64,62 @@ def test_rejects_mismatched_lengths_and_bad_groups() -> None:
         copy_segments(a, a, np.zeros(3, np.int64))
     with pytest.raises(ValueError, match=r"group must be in \[1, 16\], got 17"):
         copy_segments(a, a, a, 17)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_copy_split_over_threads_is_exact(threads: int) -> None:
+    """CopyPool cuts a large plan at segment boundaries into parts of about equal bytes, one per thread."""
+    rng = np.random.default_rng(threads)
+    lens, offs = _segments(rng, 8 << 20, 40000)
+    src = rng.integers(0, 256, size=int(lens.sum()), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    order = rng.permutation(len(lens))
+    pool = CopyPool(threads)
+    try:
+        pool.copy(
+            (dst.ctypes.data + offs)[order].astype(np.int64),
+            (src.ctypes.data + offs)[order].astype(np.int64),
+            lens[order].astype(np.int64),
+        )
+    finally:
+        pool.close()
+    assert np.array_equal(dst, src)
+
+
+def test_a_split_copy_reports_a_part_failing() -> None:
+    pool = CopyPool(2)
+    try:
+        good = np.zeros(4 << 20, np.uint8)
+        n = 64
+        dst = (good.ctypes.data + np.arange(n, dtype=np.int64) * (64 << 10)).astype(np.int64)
+        src = dst.copy()
+        lens = np.full(n, 64 << 10, np.int64)
+        lens[-1] = -1  # the helper thread's part is refused by the kernel
+        with pytest.raises(ValueError, match="nbytes must be >= 0"):
+            pool.copy(dst, src, lens)
+    finally:
+        pool.close()
+
+
+def test_group_tuner_follows_the_measured_cost() -> None:
+    tuner = GroupTuner((1, 6), sample_bytes=1 << 20, warmup=2, explore_every=4)
+    assert tuner.trial(1 << 20) is None  # too small to carry a trial
+    costs = {1: 2.0, 6: 1.0}  # seconds per MiB: interleaving wins on this imaginary machine
+
+    def one_copy() -> int | None:
+        best = tuner.best
+        group = tuner.trial(8 << 20)
+        if group is not None:  # the candidate and the best, on two prefixes of the same copy
+            tuner.record(group, 1 << 20, costs[group])
+            tuner.record(best, 1 << 20, costs[best])
+        return group
+
+    assert one_copy() == 6
+    assert tuner.best == 6
+    trials = [one_copy() for _ in range(8)]
+    assert trials.count(1) >= 2  # the loser is still tried now and then
+    assert tuner.best == 6
+    costs[1] = 0.5  # conditions change: the loser becomes the winner once measured a few times
+    for _ in range(24):
+        one_copy()
+    assert tuner.best == 1

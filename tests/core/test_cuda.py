@@ -1,75 +1,127 @@
-"""CUDA backend: the same guarantees on a GPU engine cache (skipped without a CUDA device)."""
+"""The CUDA binding: what only a GPU can show (skipped without a CUDA device).
+
+The ordering tests (non-default compute stream, step before the forward ran, loads awaited on the device,
+staging, failures) run on CUDA through ``test_device_path.py``'s harness; this file covers the binding itself:
+bitwise round trips across dtypes and layouts, host memory registration, the gather element width and many
+concurrent requests.
+"""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
 import aiokv
+from aiokv._cuda import CudaDevice, _CudaCopier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio]
 
+BS = 16
+
 
 def _layout(
-    num_blocks: int = 64, dtype: torch.dtype = torch.float16
+    num_blocks: int, dtype: torch.dtype, block_dim: int = 0
 ) -> tuple[list[torch.Tensor], aiokv.KVLayout]:
-    kv = [torch.randn(num_blocks, 16, 8, 128, device="cuda").to(dtype) for _ in range(8)]
-    return kv, aiokv.KVLayout(kv, block_size=16)
+    if block_dim == 0:
+        kv = [torch.randn(num_blocks, BS, 8, 128, device="cuda").to(dtype) for _ in range(8)]
+    else:
+        kv = [torch.randn(2, num_blocks, BS, 4, 64, device="cuda").to(dtype) for _ in range(4)]
+    return kv, aiokv.KVLayout(kv, block_size=BS, block_dim=block_dim)
 
 
-async def test_cuda_round_trip_is_bitwise() -> None:
-    kv, layout = _layout()
-    async with aiokv.Offloader(layout, tiers=[aiokv.CPUTier(capacity_bytes=64 * layout.slot_bytes)]) as off:
-        assert off.cpu.stats().pinned_memory
+def _blocks(t: torch.Tensor, ids: list[int], block_dim: int) -> torch.Tensor:
+    return t[ids] if block_dim == 0 else t[:, ids]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_dim", [0, 1])
+async def test_round_trip_is_bitwise(dtype: torch.dtype, block_dim: int) -> None:
+    kv, layout = _layout(64, dtype, block_dim)
+    stream = torch.cuda.Stream()
+    async with aiokv.Offloader(
+        layout, tiers=[aiokv.CPUTier(capacity_bytes=64 * layout.slot_bytes)], compute_stream=stream
+    ) as off:
         assert off.stats().backend == "cuda"
-        prompt = list(range(16 * 5 + 3))
+        prompt = list(range(BS * 5 + 3))
         req = off.open("a", prompt)
         await req.lookup()
         blocks = [5, 17, 3, 40, 41, 9]
         req.step(len(prompt), new_token_ids=(1,), new_block_ids=blocks)
         await req.finish()
-        expect = [t[blocks[:5]].clone() for t in kv]
-        for t in kv:
-            t[blocks].fill_(float("nan"))  # the engine reuses the blocks at once
+        expect = [_blocks(t, blocks[:5], block_dim).clone() for t in kv]
+        for t in kv:  # the engine reuses the blocks at once (an in-place write, on the compute stream)
+            with torch.cuda.stream(stream):
+                if block_dim == 0:
+                    t[blocks] = float("nan")
+                else:
+                    t[:, blocks] = float("nan")
         req2 = off.open("b", prompt)
-        assert await req2.lookup() == 80
+        assert await req2.lookup() == 5 * BS
         dst = [60, 61, 62, 63, 0]
-        await req2.load(dst)
-        for t, e in zip(kv, expect):
-            assert torch.equal(t[dst], e)
+        assert await req2.load(dst) == 5 * BS
+        torch.cuda.synchronize()
+        for t, e in zip(kv, expect, strict=True):
+            assert torch.equal(_blocks(t, dst, block_dim), e)
         await req2.abort()
 
 
-async def test_store_is_ordered_after_the_compute_stream() -> None:
-    """A kernel still running on the compute stream when step() is called writes the KV the store must see."""
-    kv, layout = _layout(dtype=torch.float32)
-    async with aiokv.Offloader(layout, tiers=[aiokv.CPUTier(capacity_bytes=64 * layout.slot_bytes)]) as off:
-        prompt = list(range(33))
-        req = off.open("a", prompt)
-        await req.lookup()
-        big = torch.randn(4096, 4096, device="cuda")
-        for _ in range(20):  # keep the compute stream busy
-            big = big @ big / 4096
-        for t in kv:
-            t[[1, 2]] = torch.full_like(t[[1, 2]], 3.0)  # queued behind the matmuls
-        req.step(33, new_token_ids=(1,), new_block_ids=[1, 2, 3])
-        await req.finish()
-        slot0 = off.cpu.slot_tensor(off.cpu.index.slot(aiokv.block_hashes(prompt, 16, root=layout.root)[0]))
-        assert torch.all(slot0.view(torch.float32) == 3.0)
+async def test_host_buffer_is_registered_in_place_and_released() -> None:
+    """40 MiB asked, 40 MiB (rounded down to whole slots) pinned: no power-of-two rounding, no copy."""
+    _, layout = _layout(16, torch.float16)
+    capacity = 40 << 20
+    tier = aiokv.CPUTier(capacity_bytes=capacity)
+    async with aiokv.Offloader(layout, tiers=[tier]) as off:
+        buf = off.cpu.buffer
+        assert off.cpu.stats().pinned_memory
+        assert buf.is_pinned()
+        assert buf.numel() == (capacity // layout.slot_bytes) * layout.slot_bytes
+    assert not off.cpu.stats().pinned_memory
+    assert not buf.is_pinned()  # unregistered at close
 
 
-async def test_cuda_block_dim_1_layout() -> None:
-    kv = [torch.randn(2, 32, 16, 4, 64, device="cuda") for _ in range(4)]
-    layout = aiokv.KVLayout(kv, block_size=16, block_dim=1)
-    async with aiokv.Offloader(layout, tiers=[aiokv.CPUTier(capacity_bytes=32 * layout.slot_bytes)]) as off:
-        req = off.open("a", list(range(33)))
-        await req.lookup()
-        req.step(33, new_token_ids=(1,), new_block_ids=[4, 5, 6])
-        await req.finish()
-        expect = [t[:, [4, 5]].clone() for t in kv]
-        req2 = off.open("b", list(range(33)))
-        assert await req2.lookup() == 32
-        await req2.load([10, 20])
-        for t, e in zip(kv, expect):
-            assert torch.equal(t[:, [10, 20]], e)
-        await req2.abort()
+async def test_unpinned_host_memory_is_refused_for_a_cuda_layout() -> None:
+    _, layout = _layout(16, torch.float16)
+    with pytest.raises(aiokv.InvalidArgumentError, match="pinned=False cannot serve a cuda layout"):
+        aiokv.Offloader(layout, tiers=[aiokv.CPUTier(capacity_bytes=1 << 24, pinned=False)])
+
+
+def test_gathers_move_eight_bytes_per_element() -> None:
+    _, layout = _layout(16, torch.float16)
+    assert _CudaCopier(layout)._unit_dtype == torch.int64
+
+
+def test_completion_events_block_instead_of_spinning() -> None:
+    dev = CudaDevice()
+    ev = dev.new_event(blocking=True)
+    assert ev.blocking  # torch.cuda.Event(blocking=True) -> cudaEventBlockingSync
+
+
+async def test_many_concurrent_requests_restore_their_own_blocks() -> None:
+    kv, layout = _layout(1024, torch.float16)
+    rng = random.Random(0)
+    async with aiokv.Offloader(layout, tiers=[aiokv.CPUTier(capacity_bytes=600 * layout.slot_bytes)]) as off:
+        prompts = [[rng.randrange(1 << 20) for _ in range(2 * BS + 1)] for _ in range(128)]
+        pool = rng.sample(range(1024), 3 * 128)
+        reqs = []
+        for i, p in enumerate(prompts):
+            r = off.open(f"r{i}", p)
+            await r.lookup()
+            r.step(len(p), new_token_ids=[1], new_block_ids=pool[3 * i : 3 * i + 3])
+            reqs.append(r)
+        for r in reqs:
+            await r.finish()
+        expect = [[t[pool[3 * i : 3 * i + 2]].clone() for t in kv] for i in range(128)]
+        free = [b for b in range(1024) if b not in set(pool)]
+        loads = []
+        for i, p in enumerate(prompts):
+            r = off.open(f"l{i}", p)
+            assert await r.lookup() == 2 * BS
+            loads.append((r, free[2 * i : 2 * i + 2], r.load(free[2 * i : 2 * i + 2])))
+        for _r, _dst, pending in loads:
+            assert await pending == 2 * BS
+        torch.cuda.synchronize()
+        for (r, dst, _), e in zip(loads, expect, strict=True):
+            assert all(torch.equal(t[dst], x) for t, x in zip(kv, e, strict=True))
+            await r.abort()

@@ -13,6 +13,7 @@ import torch
 
 import aiokv
 from aiokv.engine import Engine, EngineStats, PagedKVCache, Transformer
+from aiokv.transfer import SimulatedDevice
 
 from ._workload import KVRecorder, chat
 from .conftest import TINY
@@ -21,8 +22,13 @@ STALL_S = 60.0
 """A workload takes well under a second; this guard turns a scheduler stall into a failure, not a hang."""
 
 
-def _offloader(cache: PagedKVCache) -> aiokv.Offloader:
-    return aiokv.Offloader(cache.layout(), tiers=[aiokv.CPUTier(capacity_bytes=32 << 20)], eviction="lru")
+def _offloader(cache: PagedKVCache, device: SimulatedDevice | None = None) -> aiokv.Offloader:
+    extra: dict[str, Any] = {}
+    if device is not None:
+        extra = {"device": device, "compute_stream": device.new_stream("compute"), "staging_bytes": 1 << 20}
+    return aiokv.Offloader(
+        cache.layout(), tiers=[aiokv.CPUTier(capacity_bytes=32 << 20)], eviction="lru", **extra
+    )
 
 
 def _assert_accounting(stats: EngineStats) -> None:
@@ -41,6 +47,7 @@ async def _run(
     offload: bool,
     recorder: bool = True,
     budget: int = 64,
+    device: SimulatedDevice | None = None,
     **workload: Any,
 ) -> tuple[dict[str, Any], EngineStats, aiokv.OffloaderStats | None, KVRecorder]:
     cache = PagedKVCache(model.config, num_blocks)
@@ -52,7 +59,7 @@ async def _run(
             await engine.wait_idle()
             return results, engine.stats(), None, rec
     async with (
-        _offloader(cache) as off,
+        _offloader(cache, device) as off,
         Engine(model, cache, offloader=off, max_num_batched_tokens=budget, on_blocks=hook) as engine,
     ):
         results = await asyncio.wait_for(chat(engine, **workload), STALL_S)
@@ -114,6 +121,41 @@ async def test_offload_matches_recompute_across_multi_turn_workloads_with_preemp
     )
 
     # Every restored prefix holds bitwise the KV the recompute run computed for the same positions.
+    assert warm_kv.loaded
+    for rid, tokens, kv in warm_kv.loaded:
+        cold_tokens, cold_tensors = cold_kv.released[rid]
+        n = len(tokens)
+        assert cold_tokens[:n] == tokens
+        for restored, computed in zip(kv, cold_tensors, strict=True):
+            assert torch.equal(restored, computed[:n]), rid
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("seed", "jitter_s"), [(0, 0.0), (1, 0.0002), (3, 0.001)])
+async def test_offload_on_a_simulated_device_matches_recompute(
+    tiny_model: Transformer, seed: int, jitter_s: float
+) -> None:
+    """The engine schedules asynchronously on a simulated device: each forward is a kernel on the compute
+    stream, ``step()`` is called before it has run (its KV lands later), and loads are awaited on the device
+    (``order_before``) rather than on the host. With seeded jitter on every stream, tokens, logits and every
+    restored KV byte must still be those of the recompute run."""
+    workload = dict(sessions=4, turns=3, seed=seed, temperature=0.8 if seed % 2 else 0.0)
+    cold, _, _, cold_kv = await _run(tiny_model, 20, offload=False, **workload)
+    device = SimulatedDevice(seed=seed, jitter_s=jitter_s)
+    try:
+        warm, warm_stats, off_stats, warm_kv = await _run(
+            tiny_model, 20, offload=True, device=device, **workload
+        )
+    finally:
+        device.close()
+    assert off_stats is not None
+    assert off_stats.backend == "sim"
+    assert warm_stats.preemptions > 0
+    assert warm_stats.cached_tokens > 0
+    for rid, c in cold.items():
+        assert warm[rid].output_token_ids == c.output_token_ids, rid
+        assert torch.equal(warm[rid].last_logits, c.last_logits), rid
+    _assert_accounting(warm_stats)
     assert warm_kv.loaded
     for rid, tokens, kv in warm_kv.loaded:
         cold_tokens, cold_tensors = cold_kv.released[rid]
