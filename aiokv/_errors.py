@@ -14,6 +14,7 @@ __all__ = [
     "ClosedError",
     "DeviceError",
     "DuplicateRequestError",
+    "EngineError",
     "InvalidArgumentError",
     "InvalidLayoutError",
     "InvalidTypeError",
@@ -75,3 +76,7 @@ class MissingDependencyError(AiokvError, ImportError):
 class DeviceError(AiokvError, RuntimeError):
     """The device refused an operation: a stream being captured into a graph, host memory that cannot be
     page-locked, a copy that failed on the device."""
+
+
+class EngineError(AiokvError, RuntimeError):
+    """The reference engine cannot serve: it failed (the cause is chained) or its offloader was closed."""

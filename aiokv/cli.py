@@ -21,27 +21,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._errors import AiokvError, InvalidArgumentError, MissingDependencyError
+from ._version import __version__
 
 if TYPE_CHECKING:
     from .replay import CostModel, ReplayResult, TierConfig, Trace
 
 __all__ = ["main"]
 
-_VERSION_FALLBACK = "0.1.0"
-"""Shown by ``--version`` when aiokv is run from a source tree that is not installed."""
-
 _MAX_BLOCK_TOKENS = 1 << 20
 _MAX_KV_BYTES_PER_TOKEN = 1 << 30
 _TIER_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # printed in rich tables, where brackets are markup
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("aiokv")
-    except PackageNotFoundError:
-        return _VERSION_FALLBACK
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,13 +41,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _VersionAction(argparse.Action):
-    """``--version``: the installed distribution's version, looked up only when asked for."""
+    """``--version``: the package's version."""
 
     def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        print(f"aiokv {_version()}")
+        print(f"aiokv {__version__}")
         parser.exit()
 
 

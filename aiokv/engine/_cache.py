@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aiokv._errors import InvalidArgumentError
-from aiokv._layout import KVLayout
+from aiokv import InvalidArgumentError, KVLayout
 
 from ._model import ModelConfig
 

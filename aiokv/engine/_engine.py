@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import enum
 import itertools
+import operator
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,14 +27,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aiokv._errors import AiokvError, ClosedError, DeviceError, InvalidArgumentError
+from aiokv import (
+    AiokvError,
+    ClosedError,
+    DeviceError,
+    EngineError,
+    InvalidArgumentError,
+    InvalidTypeError,
+)
 
 from ._cache import BlockAllocator, PagedKVCache
 from ._model import SeqChunk, Transformer
 
 if TYPE_CHECKING:
-    from aiokv._offloader import Offloader
-    from aiokv._request import LoadCompletion, Request
+    from aiokv import LoadCompletion, Offloader, Request
 
 __all__ = ["BlockEvent", "Engine", "EngineStats", "GenerationResult", "TokenStream"]
 
@@ -56,10 +63,13 @@ class GenerationResult:
     ttft_s: float  # submit -> first token sampled
     latency_s: float  # submit -> last token sampled
     queued_s: float  # submit -> first admission started
-    cached_tokens: int  # tokens restored by aiokv, summed over admissions
+    cached_tokens: int  # prompt tokens restored by aiokv when the request was first admitted (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens): never more than the prompt
     computed_prefill_tokens: int  # prefill tokens run through the model, summed over admissions
     num_preemptions: int
     last_logits: torch.Tensor | None = None  # logits that sampled the last token (``return_logits=True``)
+    restored_tokens: int = 0  # tokens restored by aiokv, summed over every admission (re-admissions after
+    # preemption restore prompt and generated tokens again, so this may exceed the prompt)
 
     @property
     def tokens_per_s(self) -> float:
@@ -138,7 +148,8 @@ class _Seq:
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    cached_tokens: int = 0
+    cached_tokens: int | None = None  # restored at the first admission (None until admitted)
+    restored_tokens: int = 0
     computed_prefill: int = 0
     preemptions: int = 0
     last_logits: torch.Tensor | None = None
@@ -162,7 +173,8 @@ class _Seq:
             ttft_s=self.first_token_at - self.arrival,
             latency_s=self.last_token_at - self.arrival,
             queued_s=(self.admitted_at or self.arrival) - self.arrival,
-            cached_tokens=self.cached_tokens,
+            cached_tokens=min(self.cached_tokens or 0, len(self.prompt)),
+            restored_tokens=self.restored_tokens,
             computed_prefill_tokens=self.computed_prefill,
             num_preemptions=self.preemptions,
             last_logits=self.last_logits,
@@ -290,8 +302,11 @@ class Engine:
                 self._request_abort(seq, ClosedError("engine closed"))
             self._wakeup.set()
             assert self._loop_task is not None
-            with contextlib.suppress(Exception):
-                await self._loop_task
+            # The loop may have ended with an error or been cancelled by a failure: that is the engine's
+            # failure (reported through `failure`), not this close's. Only our own cancellation propagates.
+            await asyncio.wait([self._loop_task])
+            if not self._loop_task.cancelled():
+                self._loop_task.exception()  # retrieved
             while self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
         finally:
@@ -345,9 +360,11 @@ class Engine:
                     ...
             tokens.result  # the GenerationResult
 
-        Leaving the block (or ``aclose()``) before the end aborts the request.
+        The arguments are checked at once; the request is queued when the stream is entered (or first
+        iterated), so a stream that is never used costs nothing. Leaving the block (or ``aclose()``) before
+        the end aborts the request.
         """
-        seq = self._submit(prompt_token_ids, max_tokens, temperature, seed, eos_token_id, request_id, False)
+        seq = self._new_seq(prompt_token_ids, max_tokens, temperature, seed, eos_token_id, request_id, False)
         return TokenStream(self, seq)
 
     def stats(self) -> EngineStats:
@@ -362,6 +379,25 @@ class Engine:
             forward_s=self._forward_s,
             load_s=self._load_s,
         )
+
+    @property
+    def healthy(self) -> bool:
+        """True while the engine can serve new requests: started, not failed, its offloader open."""
+        return self._state == "running" and self._check_health() is None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine stopped serving (``None`` while it is healthy)."""
+        return self._check_health()
+
+    def _check_health(self) -> BaseException | None:
+        if (
+            self._failure is None
+            and self.offloader is not None
+            and not getattr(self.offloader, "running", True)
+        ):
+            self._fail(ClosedError("the offloader was closed under the engine"))
+        return self._failure
 
     async def wait_idle(self) -> None:
         """Wait until no request is queued or running and every block is back in the free pool."""
@@ -391,26 +427,55 @@ class Engine:
         request_id: str | None,
         return_logits: bool,
     ) -> _Seq:
-        if self._state != "running":
-            raise ClosedError(
-                "engine is not started; use 'async with Engine(...)'"
-                if self._state == "new"
-                else f"engine is {self._state}"
-            )
-        if self._failure is not None:
-            raise self._failure
-        prompt = tuple(int(t) for t in prompt_token_ids)
+        seq = self._new_seq(
+            prompt_token_ids, max_tokens, temperature, seed, eos_token_id, request_id, return_logits
+        )
+        self._enqueue(seq)
+        return seq
+
+    def _new_seq(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        eos_token_id: int | None,
+        request_id: str | None,
+        return_logits: bool,
+    ) -> _Seq:
+        """Validate a request's arguments; the request is not queued yet."""
+        self._check_accepting()
         cfg = self.model.config
+        if isinstance(prompt_token_ids, (str, bytes)):
+            raise InvalidTypeError(
+                f"prompt_token_ids must be a sequence of ints, got {type(prompt_token_ids).__name__}"
+            )
+        try:
+            prompt = tuple(_token(t) for t in prompt_token_ids)
+        except TypeError:
+            raise InvalidTypeError("prompt_token_ids must contain ints") from None
         if not prompt:
             raise InvalidArgumentError("prompt_token_ids must not be empty")
         if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
             raise InvalidArgumentError(
                 f"prompt_token_ids must be in [0, {cfg.vocab_size}), got {min(prompt)}..{max(prompt)}"
             )
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise InvalidTypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
         if max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}")
-        if temperature < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {temperature}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise InvalidTypeError(f"temperature must be a number, got {type(temperature).__name__}")
+        if not 0 <= temperature < float("inf"):
+            raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {temperature}")
+        if eos_token_id is not None and (
+            isinstance(eos_token_id, bool)
+            or not isinstance(eos_token_id, int)
+            or not 0 <= eos_token_id < cfg.vocab_size
+        ):
+            raise InvalidArgumentError(
+                f"eos_token_id must be None or in [0, {cfg.vocab_size}), got {eos_token_id!r}"
+            )
         total = len(prompt) + max_tokens
         if total > cfg.max_position:
             raise InvalidArgumentError(
@@ -421,12 +486,11 @@ class Engine:
                 f"prompt length + max_tokens must fit in the cache's {self._allocator.num_blocks} blocks"
                 f" of {self.block_size} tokens, got {total} tokens"
             )
-        rid = request_id if request_id is not None else f"engine-{next(self._ids)}"
-        if rid in self._seqs:
-            raise InvalidArgumentError(f"request_id {rid!r} is already running")
-        seq = _Seq(
-            request_id=rid,
-            order=next(self._order),
+        if request_id is not None and not isinstance(request_id, str):
+            raise InvalidTypeError(f"request_id must be a str or None, got {type(request_id).__name__}")
+        return _Seq(
+            request_id=request_id if request_id is not None else f"engine-{next(self._ids)}",
+            order=-1,
             prompt=prompt,
             tokens=list(prompt),
             max_tokens=max_tokens,
@@ -434,13 +498,31 @@ class Engine:
             seed=int(seed),
             eos_token_id=eos_token_id,
             return_logits=return_logits,
-            arrival=time.perf_counter(),
+            arrival=0.0,
         )
+
+    def _check_accepting(self) -> None:
+        if self._state != "running":
+            raise ClosedError(
+                "engine is not started; use 'async with Engine(...)'"
+                if self._state == "new"
+                else f"engine is {self._state}"
+            )
+        cause = self._check_health()
+        if cause is not None:
+            raise EngineError(f"engine is unhealthy and accepts no requests: {cause}") from cause
+
+    def _enqueue(self, seq: _Seq) -> None:
+        """Queue a validated request for admission (it starts competing for blocks now)."""
+        self._check_accepting()
+        if seq.request_id in self._seqs:
+            raise InvalidArgumentError(f"request_id {seq.request_id!r} is already running")
+        seq.order = next(self._order)
+        seq.arrival = time.perf_counter()
         seq.done = asyncio.get_running_loop().create_future()
-        self._seqs[rid] = seq
+        self._seqs[seq.request_id] = seq
         self._waiting.append(seq)  # orders only grow: stays sorted
         self._wakeup.set()
-        return seq
 
     def _request_abort(self, seq: _Seq, exc: BaseException | None) -> None:
         """Mark ``seq`` for abort (the loop does the work); fail its waiters with ``exc`` or cancel them."""
@@ -644,7 +726,9 @@ class Engine:
             self._admitting -= 1
             self._wakeup.set()
         seq.num_computed = hit
-        seq.cached_tokens += hit
+        if seq.cached_tokens is None:
+            seq.cached_tokens = hit
+        seq.restored_tokens += hit
         self._counts["cached_tokens"] += hit
         seq.phase = Phase.RUNNING
         bisect.insort(self._running, seq, key=lambda s: s.order)
@@ -812,6 +896,12 @@ class Engine:
         task.add_done_callback(done)
 
 
+def _token(t: Any) -> int:
+    if isinstance(t, bool):
+        raise TypeError("bool is not a token id")
+    return operator.index(t)  # ints and int-like values (numpy ints), never floats or strings
+
+
 def _sample_rows(
     logits: torch.Tensor, samplers: list[tuple[float, int, int, bool] | None]
 ) -> list[tuple[int, torch.Tensor | None] | None]:
@@ -841,11 +931,18 @@ class TokenStream:
         self._engine = engine
         self._seq = seq
         self._next = 0
+        self._started = False
+
+    def _start(self) -> None:
+        if not self._started:
+            self._engine._enqueue(self._seq)
+            self._started = True
 
     def __aiter__(self) -> AsyncIterator[int]:
         return self
 
     async def __anext__(self) -> int:
+        self._start()
         seq = self._seq
         while True:
             if self._next < seq.num_output:
@@ -866,14 +963,17 @@ class TokenStream:
     @property
     def result(self) -> GenerationResult:
         """The request's result; valid once iteration ended normally."""
-        assert self._seq.done is not None
+        if self._seq.done is None or not self._seq.done.done():
+            raise InvalidArgumentError("result is available once the stream has been iterated to its end")
         return self._seq.done.result()
 
     async def aclose(self) -> None:
-        """Abort the request unless it has finished."""
-        self._engine._request_abort(self._seq, None)
+        """Abort the request unless it has finished (a stream never started has nothing to abort)."""
+        if self._started:
+            self._engine._request_abort(self._seq, None)
 
     async def __aenter__(self) -> TokenStream:
+        self._start()
         return self
 
     async def __aexit__(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from aiokv._errors import InvalidArgumentError
+from aiokv import InvalidArgumentError
 
 __all__ = ["CTX_TILE", "ROW_TILE", "ModelConfig", "SeqChunk", "Transformer"]
 

@@ -2,15 +2,40 @@
 
 - :class:`TransferExecutor` and :class:`TransferFuture`: ordered copy streams per direction, futures for
   accepted copies, coalescing of one loop tick's copies into one submission.
-- Device data path (:mod:`._device`) written once against :class:`DeviceBinding`, with two bindings: CUDA
-  (``aiokv._cuda.CudaDevice``) and :class:`SimulatedDevice` (CUDA's stream semantics on worker threads).
+- The device data path (``aiokv/transfer/_device.py``), written once against :class:`DeviceBinding`, with two
+  bindings: CUDA (``aiokv._cuda.CudaDevice``) and :class:`SimulatedDevice` (CUDA's stream semantics on worker
+  threads, for tests and benchmarks on machines without a GPU). See docs/devices.md.
+
+Names are imported on first use.
 """
 
-from ._binding import BlockCopier, DeviceBinding
-from ._device import DeviceStats, Mark
-from ._executor import DEFAULT_STAGING_BYTES, ExecutorStats, TransferExecutor
-from ._future import TransferFuture
-from ._simdevice import SimStream, SimulatedDevice, SimulatedDeviceError
+import typing
+
+from .. import _lazy
+
+if typing.TYPE_CHECKING:
+    from ._binding import BlockCopier, DeviceBinding
+    from ._device import DeviceStats, Mark
+    from ._executor import DEFAULT_STAGING_BYTES, ExecutorStats, TransferExecutor
+    from ._future import TransferFuture
+    from ._simdevice import SimStream, SimulatedDevice, SimulatedDeviceError
+
+__getattr__, __dir__ = _lazy.attach(
+    __name__,
+    {
+        "BlockCopier": "._binding",
+        "DeviceBinding": "._binding",
+        "DeviceStats": "._device",
+        "Mark": "._device",
+        "DEFAULT_STAGING_BYTES": "._executor",
+        "ExecutorStats": "._executor",
+        "TransferExecutor": "._executor",
+        "TransferFuture": "._future",
+        "SimStream": "._simdevice",
+        "SimulatedDevice": "._simdevice",
+        "SimulatedDeviceError": "._simdevice",
+    },
+)
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",

@@ -109,7 +109,11 @@ async def test_offload_matches_recompute_across_multi_turn_workloads_with_preemp
     assert warm_stats.preemptions > 0
     assert cold_stats.cached_tokens == 0
     assert warm_stats.cached_tokens > 0
-    assert warm_stats.cached_tokens == off_stats.hit_tokens == sum(r.cached_tokens for r in warm.values())
+    assert warm_stats.cached_tokens == off_stats.hit_tokens == sum(r.restored_tokens for r in warm.values())
+    for r in warm.values():  # OpenAI's meaning: prompt tokens served from the cache, never more than the prompt
+        assert r.cached_tokens <= len(r.prompt_token_ids)
+        assert r.cached_tokens <= r.restored_tokens
+    assert any(r.restored_tokens > r.cached_tokens for r in warm.values())  # re-admissions after preemption
     assert off_stats.bytes_loaded == off_stats.hit_tokens * TINY.bytes_per_token
     _assert_accounting(cold_stats)
     _assert_accounting(warm_stats)
@@ -207,7 +211,7 @@ async def test_preempted_request_resumes_through_lookup_and_load(tiny_model: Tra
     assert [r.output_token_ids for r in warm] == [r.output_token_ids for r in cold]
     resumed = warm[1]
     assert resumed.num_preemptions >= 1
-    assert resumed.cached_tokens >= 16
+    assert resumed.restored_tokens >= 16
     assert resumed.computed_prefill_tokens < cold[1].computed_prefill_tokens
 
 
@@ -449,3 +453,60 @@ async def test_random_aborts_leak_nothing_and_the_rest_match_recompute(
         assert stats.aborted >= len(cuts) - sum(cuts[i] + 1 >= max_tokens[i] for i in cuts)
         assert off.stats().requests_open == 0
         assert off.stats().in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_an_engine_whose_offloader_closed_reports_itself_unhealthy(tiny_model: Transformer) -> None:
+    """The offloader is closed under a running engine: the engine says so (healthy is False, failure names
+    the cause) and refuses new requests with that cause, instead of failing them with an unrelated error."""
+    cache = PagedKVCache(TINY, 16)
+    off = _offloader(cache)
+    await off.start()
+    async with Engine(tiny_model, cache, offloader=off) as engine:
+        assert engine.healthy
+        await engine.generate(list(range(40)), max_tokens=2)
+        await off.aclose()
+        with pytest.raises(aiokv.AiokvError, match="offloader"):
+            await engine.generate(list(range(40)), max_tokens=2)
+        assert not engine.healthy
+        assert engine.failure is not None
+        with pytest.raises(aiokv.EngineError, match="engine is unhealthy and accepts no requests: .*offloader"):
+            await engine.generate(list(range(40)), max_tokens=2)
+        with pytest.raises(aiokv.EngineError):
+            engine.stream(list(range(40)), max_tokens=2)
+
+
+@pytest.mark.asyncio
+async def test_a_stream_that_is_never_entered_runs_nothing(tiny_model: Transformer) -> None:
+    async with Engine(tiny_model, PagedKVCache(TINY, 16)) as engine:
+        stream = engine.stream(list(range(40)), max_tokens=50)
+        await engine.wait_idle()
+        assert engine.stats().steps == 0
+        assert engine.stats().waiting == 0
+        await stream.aclose()  # nothing to abort
+        with pytest.raises(aiokv.InvalidArgumentError, match="prompt_token_ids must not be empty"):
+            engine.stream([], max_tokens=4)  # arguments are still checked at once
+        async with engine.stream(list(range(40)), max_tokens=3) as tokens:
+            assert len([t async for t in tokens]) == 3
+        assert tokens.result.finish_reason == "length"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"max_tokens": 2.5}, aiokv.InvalidTypeError, "max_tokens must be an int, got float"),
+        ({"temperature": float("nan")}, aiokv.InvalidArgumentError, "temperature must be a finite number >= 0"),
+        ({"eos_token_id": 10**6}, aiokv.InvalidArgumentError, r"eos_token_id must be None or in \[0, 256\)"),
+        ({"request_id": 7}, aiokv.InvalidTypeError, "request_id must be a str or None, got int"),
+    ],
+)
+async def test_bad_generation_arguments_are_clear_errors(
+    tiny_model: Transformer, kwargs: dict[str, Any], error: type, message: str
+) -> None:
+    async with Engine(tiny_model, PagedKVCache(TINY, 16)) as engine:
+        with pytest.raises(error, match=message):
+            await engine.generate(list(range(10)), **kwargs)
+        with pytest.raises(aiokv.InvalidTypeError, match="prompt_token_ids must contain ints"):
+            await engine.generate([1.5, 2.0])  # type: ignore[list-item]
+        assert engine.healthy
