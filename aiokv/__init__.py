@@ -8,6 +8,7 @@ first use, so ``import aiokv`` (and the ``aiokv`` command line) does not import 
 
 import typing
 
+from . import _lazy
 from ._errors import (
     AiokvError,
     BlockRangeError,
@@ -24,10 +25,10 @@ from ._errors import (
     TierLockedError,
     TransferError,
 )
-from . import _lazy
 from ._version import __version__
 
 if typing.TYPE_CHECKING:
+    from ._bridge import ThreadBridge, ThreadRequest
     from ._hashing import NONE_ROOT as NONE_ROOT
     from ._hashing import block_hashes
     from ._hashing import make_root as make_root
@@ -76,6 +77,8 @@ __getattr__, __dir__ = _lazy.attach(
         "FaultyTier": ".tiers._faulty",
         "TierHealth": ".tiers._base",
         "TransferFuture": ".transfer._future",
+        "ThreadBridge": "._bridge",
+        "ThreadRequest": "._bridge",
         "block_hashes": "._hashing",
         # documented here in 0.1.0, now in aiokv.tiers / aiokv.transfer: still importable from here
         "NONE_ROOT": "._hashing",
@@ -124,6 +127,8 @@ __all__ = [
     "RequestHandle",
     "RequestState",
     "RequestStateError",
+    "ThreadBridge",
+    "ThreadRequest",
     "TierHealth",
     "TierLockedError",
     "TransferError",

@@ -1,12 +1,15 @@
-"""The ``aiokv`` command line. Subcommands register themselves in :data:`_SUBCOMMANDS`; today: ``replay``.
+"""The ``aiokv`` command line. Subcommands register themselves in :data:`_SUBCOMMANDS`: ``replay`` and
+``serve``.
 
     aiokv replay TRACE [--tiers cpu=64GiB,disk=1TiB] [--policy lru,arc,chain-lru] [--sweep cpu=auto] ...
+    aiokv serve [--port 8000] [--model tiny] [--tiers cpu=1GiB,disk=/var/cache/aiokv:20GiB] [--no-offload] ...
 
-See docs/replay.md. Every option and the whole trace are validated before the first replay: a bad input stops
+See docs/replay.md and docs/serving.md. Every option and the whole trace are validated before the first replay: a bad input stops
 the command with one ``aiokv replay: error: ...`` line on stderr and exit status 2, never a traceback.
 
 Only the standard library and ``aiokv._errors`` are imported at module level; ``--help`` adds the replay
-modules (for the model presets), and rich and matplotlib are imported by the run that uses them.
+modules (for the model presets) and the serve options (standard library only); rich, matplotlib, torch and
+the web stack are imported by the run that uses them.
 """
 
 from __future__ import annotations
@@ -461,8 +464,63 @@ def _run_replay(args: argparse.Namespace) -> int:
     return _report(args, plan, trace, results)
 
 
+# -------------------------------------------------------------------------------------------------- serve
+def _add_serve(sub: Any) -> None:
+    from .serve._config import OPTIONS, describe_option_default
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the reference engine over an OpenAI-compatible HTTP API",
+        description=(
+            "Serve the reference engine (random weights, nothing downloaded) with aiokv offloading over an "
+            "OpenAI-compatible HTTP API: POST /v1/completions, POST /v1/chat/completions (streaming or not), "
+            "GET /v1/models, /health, /ready and /metrics (Prometheus). SIGTERM or Ctrl-C drains: in-flight "
+            "requests get --drain-timeout seconds, then the rest are aborted."
+        ),
+        epilog=(
+            "Every option is also read from the environment variable shown in brackets (a flag wins over the "
+            "variable). Needs the serve extra: pip install 'aiokv[serve]'. See docs/serving.md."
+        ),
+    )
+    for opt in OPTIONS:
+        text = f"{opt.help}{describe_option_default(opt)} [{opt.env}]"
+        if opt.kind == "bool":
+            p.add_argument(opt.option, dest=opt.field, action="store_true", default=None, help=text)
+        else:
+            metavar = "{" + ",".join(opt.choices) + "}" if opt.choices else opt.field.upper()
+            p.add_argument(opt.option, dest=opt.field, default=None, metavar=metavar, help=text)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from .serve._config import OPTIONS, ServeConfig
+
+    config = ServeConfig.from_sources({o.field: getattr(args, o.field) for o in OPTIONS})
+    for module in ("starlette", "uvicorn", "anyio", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            raise MissingDependencyError(f"aiokv serve needs {module}: pip install 'aiokv[serve]'") from None
+    from .serve._runner import run
+
+    def ready(url: str) -> None:
+        offload = ", ".join(s.describe() for s in config.tier_specs) if config.offload else "off"
+        print(
+            f"aiokv serve: model {config.model_name!r} on {url} (offload: {offload}); try: "
+            f"curl {url}/v1/models",
+            flush=True,
+        )
+
+    try:
+        run(config, on_ready=ready)
+    except OSError as exc:  # a tier's files or server could not be set up
+        print(f"aiokv serve: error: {_one_line(str(exc))}", file=sys.stderr)
+        return 1
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------- main
-_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_replay]
+_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_replay, _add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

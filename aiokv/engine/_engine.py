@@ -961,6 +961,12 @@ class TokenStream:
             await seq.progress.wait()
 
     @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens aiokv restored when the request was first admitted (``None`` until admitted)."""
+        c = self._seq.cached_tokens
+        return None if c is None else min(c, len(self._seq.prompt))
+
+    @property
     def result(self) -> GenerationResult:
         """The request's result; valid once iteration ended normally."""
         if self._seq.done is None or not self._seq.done.done():

@@ -1,0 +1,153 @@
+"""The pieces without a server: tokenizer, chat template, stop sequences, settings, request validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from aiokv.serve import ByteTokenizer, ChatMessage, ServeConfig
+from aiokv.serve._schema import APIError, parse_chat_request, parse_completion_request
+from aiokv.serve._tokenizer import Detokenizer, StopMatcher
+
+TOK = ByteTokenizer(512)
+
+
+def test_tokenizer_is_bytes_plus_specials() -> None:
+    text = "héllo ☃ <|im_end|>"
+    ids = TOK.encode(text)
+    assert ids == list(text.encode())  # special-token text in a message stays bytes
+    assert max(ids) < 256
+    assert TOK.decode(ids) == text
+    assert (TOK.eos_token_id, TOK.im_start_id, TOK.im_end_id) == (256, 257, 258)
+    assert TOK.decode([104, 105, 258, 300]) == "hi"
+    assert TOK.decode([104, 105, 258, 300], skip_special_tokens=False) == "hi<|im_end|><|reserved_41|>"
+    with pytest.raises(ValueError, match="vocab_size must be >= 259"):
+        ByteTokenizer(256)
+
+
+def test_detokenizer_holds_split_characters() -> None:
+    detok = Detokenizer(TOK)
+    pieces = [detok.push(b) for b in "☃!".encode()]
+    assert pieces == ["", "", "☃", "!"]
+    detok.push(0xE2)
+    assert detok.flush() == "\ufffd"
+
+
+def test_chat_template_is_chatml() -> None:
+    ids = TOK.apply_chat_template([ChatMessage("system", "s"), ChatMessage("user", "u")])
+    assert TOK.decode(ids, skip_special_tokens=False) == (
+        "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("deltas", "stops", "sent", "stopped"),
+    [
+        (["ab", "cE", "ND", "x"], ["END"], "abc", True),
+        (["hello wor", "ld"], ["zz"], "hello world", False),
+        (["a", "b", "c"], ["bc", "abc"], "", True),
+        (["xx", "y"], ["y", "xxy"], "", True),  # the earliest occurrence wins
+    ],
+)
+def test_stop_sequences_never_leak(deltas: list[str], stops: list[str], sent: str, stopped: bool) -> None:
+    m = StopMatcher(stops)
+    out, hit = "", False
+    for d in deltas:
+        text, hit = m.push(d)
+        out += text
+        if hit:
+            break
+    if not hit:
+        out += m.flush()
+    assert (out, hit) == (sent, stopped)
+    assert m.text == sent
+
+
+def test_settings_come_from_flags_then_environment_then_defaults() -> None:
+    env = {
+        "AIOKV_PORT": "9000",
+        "AIOKV_MODEL": "tiny",
+        "AIOKV_NO_OFFLOAD": "yes",
+        "AIOKV_DRAIN_TIMEOUT": "2.5",
+    }
+    cfg = ServeConfig.from_sources({"port": "9100", "access_log": True}, env)
+    assert (cfg.port, cfg.model, cfg.offload, cfg.drain_timeout, cfg.access_log) == (
+        9100,
+        "tiny",
+        False,
+        2.5,
+        False,
+    )
+    assert cfg.model_name == "aiokv-tiny"
+    assert ServeConfig.from_sources({}, {}).tiers == "cpu=256MiB"
+    with pytest.raises(ValueError, match=r"AIOKV_MAX_NUM_SEQS must be an integer, got '4x'"):
+        ServeConfig.from_sources({}, {"AIOKV_MAX_NUM_SEQS": "4x"})
+    with pytest.raises(ValueError, match="max_num_seqs must be > 0, got 0"):
+        ServeConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        ServeConfig(eviction="fifo-ish")
+
+
+def _bad(parse: object, body: object, message: str, param: str | None) -> None:
+    with pytest.raises(APIError) as exc:
+        parse(body, TOK)  # type: ignore[operator]
+    assert exc.value.status == 400
+    assert message in exc.value.message
+    assert exc.value.param == param
+
+
+def test_requests_are_validated_with_the_parameter_named() -> None:
+    _bad(parse_completion_request, [], "must be a JSON object", None)
+    _bad(parse_completion_request, {"prompt": ""}, "prompt must not be empty", "prompt")
+    _bad(
+        parse_completion_request,
+        {"prompt": [1, 600]},
+        "prompt token ids must be in [0, 512), got 600",
+        "prompt",
+    )
+    _bad(parse_completion_request, {"prompt": "x", "n": 0}, "n must be in [1, 64], got 0", "n")
+    _bad(
+        parse_completion_request,
+        {"prompt": "x", "temperature": 3},
+        "temperature must be in [0, 2], got 3",
+        "temperature",
+    )
+    _bad(parse_completion_request, {"prompt": "x", "stop": [""]}, "stop sequences must be 1 to", "stop")
+    _bad(
+        parse_completion_request,
+        {"prompt": "x", "stream_options": {}},
+        "only allowed with stream=true",
+        "stream_options",
+    )
+    _bad(parse_completion_request, {"prompt": "x", "logprobs": 2}, "logprobs is not supported", "logprobs")
+    _bad(parse_chat_request, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "only text is supported", "messages[0].content")  # fmt: skip
+    _bad(
+        parse_chat_request,
+        {"messages": [{"role": "tool", "content": "x"}]},
+        "role must be one of",
+        "messages[0].role",
+    )
+    ok = parse_completion_request(
+        {"prompt": [[1, 2], "ab"], "n": 2, "max_tokens": 3, "top_p": 1, "logprobs": None}, TOK
+    )
+    assert ok.prompts == ((1, 2), (97, 98))
+    assert ok.num_choices == 4
+    chat = parse_chat_request(
+        {"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+         "max_completion_tokens": 5},
+        TOK,
+    )  # fmt: skip
+    assert TOK.decode(chat.prompts[0], skip_special_tokens=False).startswith(
+        "<|im_start|>system\nab<|im_end|>"
+    )
+    assert chat.max_tokens == 5
+
+
+def test_serving_docs_list_every_flag_and_variable() -> None:
+    from pathlib import Path
+
+    from aiokv.serve._config import OPTIONS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    missing = [o.option for o in OPTIONS if f"`{o.option}`" not in text or f"`{o.env}`" not in text]
+    assert missing == []
