@@ -470,7 +470,7 @@ async def test_an_engine_whose_offloader_closed_reports_itself_unhealthy(tiny_mo
             await engine.generate(list(range(40)), max_tokens=2)
         assert not engine.healthy
         assert engine.failure is not None
-        with pytest.raises(aiokv.EngineError, match="engine is unhealthy and accepts no requests: .*offloader"):
+        with pytest.raises(aiokv.EngineError, match=r"engine is unhealthy and accepts no requests: .*offloader"):
             await engine.generate(list(range(40)), max_tokens=2)
         with pytest.raises(aiokv.EngineError):
             engine.stream(list(range(40)), max_tokens=2)
