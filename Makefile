@@ -10,7 +10,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 $(STAMP): pyproject.toml setup.py constraints.txt aiokv/_native/_copy.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -c constraints.txt "setuptools>=68" wheel
-	$(PIP) install -c constraints.txt --no-build-isolation -e ".[test,fast,redis,cli,plot,serve,dev]"
+	$(PIP) install -c constraints.txt --no-build-isolation -e ".[test,fast,redis,cli,plot,serve,events,dev]"
 	touch $(STAMP)
 
 venv: $(STAMP)
