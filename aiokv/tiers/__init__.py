@@ -21,6 +21,7 @@ if typing.TYPE_CHECKING:
         register_policy,
     )
     from ._redis import RedisTier, RedisTierStats
+    from ._shm import SharedMemoryTier
 
 __getattr__, __dir__ = _lazy.attach(
     __name__,
@@ -36,6 +37,7 @@ __getattr__, __dir__ = _lazy.attach(
         "FaultyTierStats": "._faulty",
         "RedisTier": "._redis",
         "RedisTierStats": "._redis",
+        "SharedMemoryTier": "._shm",
         "BlockIndex": "._index",
         "EntryState": "._index",
         "ARCPolicy": "._policies",
@@ -64,6 +66,7 @@ __all__ = [
     "LRUPolicy",
     "RedisTier",
     "RedisTierStats",
+    "SharedMemoryTier",
     "TierHealth",
     "TierSpec",
     "make_policy",

@@ -1,9 +1,11 @@
 """A persistent, crash-consistent disk tier: fixed-size entries in preallocated segment files.
 
-Layout of the directory (one tier per directory, guarded by ``flock`` on ``aiokv-disk.lock``)::
+Layout of the directory (guarded by ``flock`` on ``aiokv-disk.lock``: exclusive for one owner, shared by the
+processes of ``shared=True`` tiers)::
 
-    aiokv-disk.lock     lock file (holds the owner's pid, for humans)
+    aiokv-disk.lock     lock file (holds the exclusive owner's pid, for humans)
     aiokv-disk.json     layout: format version, fingerprint, payload_bytes, entry_bytes, slots_per_segment
+    aiokv-disk.idx      shared=True only: the catalog every process maps (see :mod:`aiokv.tiers._catalog`)
     seg-00000.akv ...   segment files of ``slots_per_segment`` fixed-size entries each
 
 Every entry occupies ``entry_bytes = round_up(128 + payload_bytes, 4096)`` bytes: the 128-byte header of
@@ -34,6 +36,13 @@ successful I/O. A filesystem out of space (ENOSPC, EDQUOT, EFBIG) at ``open()`` 
 the tier starts ``"degraded"`` (sparse segment files, stores fail until space is freed) or, when not even the
 directory, lock or segment files can be created, ``"down"`` (lookups miss, stores are dropped; a store after a
 backoff retries the set-up). Disk I/O runs on a small private thread pool, never on the event loop.
+
+Many processes, one directory (``shared=True``): the processes map a shared catalog instead of each keeping
+its own index, so an entry stored by one is found by the others as soon as it is complete. Placement is
+set-associative and eviction picks the least recently used entry of a block's set; capacity is the segment
+files, whoever writes. Changes take a file lock for microseconds; reads take none and rely on verification:
+an entry that changes under a read fails it and is a miss (``raced``), never wrong bytes. A writer killed
+mid-store leaves reserved slots that the next writer needing room reclaims.
 """
 
 from __future__ import annotations
@@ -48,13 +57,14 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from .._errors import CapacityError, ClosedError, InvalidArgumentError, InvalidTypeError, TierLockedError
 from .._log import Throttled, get_logger
 from ._base import BackingTier, TierSpec, check_buffers
+from ._catalog import CatalogStats, Reservation, SharedCatalog, catalog_geometry
 from ._format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -76,6 +86,7 @@ __all__ = ["DiskTier", "DiskTierStats"]
 ALIGN = 4096
 META_NAME = "aiokv-disk.json"
 LOCK_NAME = "aiokv-disk.lock"
+CATALOG_NAME = "aiokv-disk.idx"
 _SEGMENT_PREFIX = "seg-"
 _SEGMENT_SUFFIX = ".akv"
 _META_FORMAT = "aiokv-disk"
@@ -92,6 +103,11 @@ SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # A tier that could not set up its directory retries on a store after this long, doubling up to the maximum.
 _REOPEN_BACKOFF_S = 1.0
 _REOPEN_BACKOFF_MAX_S = 60.0
+# Shared directories: how long a store waits for the catalog lock (held for microseconds by each change) before
+# it is dropped, how long a commit waits for it, and how long set-up at open waits.
+_RESERVE_LOCK_S = 1.0
+_COMMIT_LOCK_S = 10.0
+_SETUP_LOCK_S = 30.0
 
 T = TypeVar("T")
 _log = get_logger("tiers.disk")
@@ -141,8 +157,12 @@ class DiskTierStats:
     dropped_down: int  # the tier was down: its directory could not be set up (no space), see DiskTier.open
     recovered: int  # entries found valid when the directory was opened
     recovery_dropped: int  # entries dropped when the directory was opened (torn, foreign, bad header)
+    raced: int  # shared: reads of an entry another process was replacing (a miss; nothing dropped)
+    dropped_busy: int  # shared: blocks not stored because the catalog lock was not free in time
     reset: bool  # the directory held another layout and was started fresh
     preallocated: bool  # segment files were fully allocated on open (else sparse: writes may hit ENOSPC)
+    shared: bool  # several processes may use the directory at once (entries, pending, evictions: theirs too)
+    reclaimed: int  # shared: slots taken over from writers that died mid-store (by every process)
     last_error: str | None
 
 
@@ -249,11 +269,14 @@ async def _wait_thread(fut: asyncio.Future[T]) -> tuple[asyncio.Future[T], bool]
 class _Files:
     """The open segment files of one directory (used from worker threads; no index, no loop)."""
 
-    def __init__(self, geo: _Geometry, fds: list[int], fingerprint: bytes, fsync: bool) -> None:
+    def __init__(
+        self, geo: _Geometry, fds: list[int], fingerprint: bytes, fsync: bool, erase: bool = True
+    ) -> None:
         self.geo = geo
         self.fds = fds
         self.fingerprint = fingerprint
         self.fsync = fsync
+        self.erase = erase  # zero the header of an entry that fails verification (not in shared directories)
         self._pad = bytes(geo.pad)
         self._scratch = bytearray(geo.pad)
         self._probe = bytearray(1)
@@ -349,7 +372,7 @@ class _Files:
                         payload_len=geo.payload_bytes,
                     )
                 if verdict is not Verdict.OK:
-                    if err is None:
+                    if err is None and self.erase:
                         self._erase(slots[i])
                     return done, verdict, err
                 done += 1
@@ -373,6 +396,16 @@ class _Files:
 
 
 @dataclass(slots=True)
+class _StorePlan:
+    """The slots one store will write: ``slots[j]`` for the key at ``indices[j]`` of the batch."""
+
+    skipped: int = 0  # keys already held (or being written)
+    indices: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    reservations: list[Reservation] = field(default_factory=list)  # shared directories
+
+
+@dataclass(slots=True)
 class _Opened:
     """What setting up a directory produced (built on a worker thread, installed on the loop)."""
 
@@ -384,9 +417,12 @@ class _Opened:
     preallocated: bool
     space_error: OSError | None  # no room met on the way (metadata or preallocation): start degraded
     meta_pending: dict[str, Any] | None  # the layout file could not be written (no room): retried later
+    catalog: SharedCatalog | None = None  # shared directories
 
     def close(self) -> None:
         self.files.close()
+        if self.catalog is not None:
+            self.catalog.close()
         with contextlib.suppress(OSError):
             os.close(self.lock_fd)
 
@@ -399,7 +435,13 @@ class DiskTier(BackingTier):
     is the size of one segment file, ``io_threads`` the number of I/O threads. ``preallocate`` allocates the
     segment files on open (``posix_fallocate``; falls back to sparse files when the filesystem refuses), so
     that stores cannot hit ENOSPC later. ``fsync=True`` makes every stored entry durable before it becomes
-    visible (slower). Only one process (one ``DiskTier``) may open a directory at a time.
+    visible (slower).
+
+    ``shared=False`` (the default): one process (one ``DiskTier``) owns the directory. ``shared=True``: any
+    number of processes on this machine open it at once with ``shared=True`` and the same layout and
+    ``capacity_bytes``; an entry stored by one is found by all, and eviction (least recently used within a
+    block's set of slots; ``eviction`` must be ``"lru"``) and capacity hold across them. The directory must be
+    on a local filesystem (the processes share a memory-mapped catalog); across machines, use a RedisTier.
     """
 
     name = "disk"
@@ -414,6 +456,7 @@ class DiskTier(BackingTier):
         io_threads: int = 4,
         preallocate: bool = True,
         fsync: bool = False,
+        shared: bool = False,
     ) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -426,7 +469,15 @@ class DiskTier(BackingTier):
                 raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
             if value <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {value}")
+        if not isinstance(shared, bool):
+            raise InvalidTypeError(f"shared must be a bool, got {type(shared).__name__}")
+        if shared and eviction != "lru":
+            raise InvalidArgumentError(
+                "eviction must be 'lru' when shared=True (the shared catalog evicts the least recently used "
+                f"entry of a block's set), got {eviction!r}"
+            )
         self.path = Path(path)
+        self.shared = shared
         self.capacity_bytes = capacity_bytes
         self._eviction = eviction
         self._segment_bytes = segment_bytes
@@ -437,7 +488,9 @@ class DiskTier(BackingTier):
         self._spec: TierSpec | None = None
         self._geo: _Geometry | None = None
         self._files: _Files | None = None
-        self._index: BlockIndex | None = None
+        self._index: BlockIndex | None = None  # shared=False: this process's index of the directory
+        self._catalog: SharedCatalog | None = None  # shared=True: the catalog every process maps
+        self._catalog_stats: CatalogStats | None = None  # its last figures, once closed
         self._pool: ThreadPoolExecutor | None = None
         self._lock_fd: int | None = None
         self._opened = False
@@ -467,6 +520,8 @@ class DiskTier(BackingTier):
                 "dropped_down",
                 "recovered",
                 "recovery_dropped",
+                "raced",
+                "dropped_busy",
             ),
             0,
         )
@@ -488,8 +543,9 @@ class DiskTier(BackingTier):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._opened else "new"
-        entries = len(self._index) if self._index is not None else 0
-        return f"<DiskTier {str(self.path)!r} {state} health={self._health.value} entries={entries}>"
+        entries = self.stats().entries
+        shared = " shared" if self.shared else ""
+        return f"<{type(self).__name__} {str(self.path)!r} {state}{shared} health={self._health.value} entries={entries}>"
 
     # ------------------------------------------------------------- lifecycle
     async def open(self, spec: TierSpec) -> None:
@@ -561,18 +617,14 @@ class DiskTier(BackingTier):
         except OSError as exc:
             _raise_explained(exc, path)
             raise
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock_fd)
-            raise TierLockedError(
-                f"disk tier directory {str(path)!r} is already opened by another process or DiskTier"
-            ) from None
+        setup_fd: int | None = None  # shared: the catalog file, its flock held during the set-up
         fds: list[int] = []
         try:
-            with contextlib.suppress(OSError):
-                os.ftruncate(lock_fd, 0)
-                os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+            if self.shared:
+                setup_fd, alone = self._lock_shared(lock_fd)
+            else:
+                self._lock_exclusive(lock_fd)
+                alone = True
             meta = {
                 "format": _META_FORMAT,
                 "version": FORMAT_VERSION,
@@ -586,6 +638,12 @@ class DiskTier(BackingTier):
             space_error: OSError | None = None
             meta_pending: dict[str, Any] | None = None
             if existing is None or any(existing.get(k) != v for k, v in meta.items()):
+                if not alone:
+                    raise TierLockedError(
+                        f"disk tier directory {str(path)!r} is shared by processes using another layout "
+                        f"({(existing or {}).get('description', 'unknown')}); use the same layout or another "
+                        "directory"
+                    )
                 reset = existing is not None
                 for seg_path in self._segment_paths():
                     seg_path.unlink()
@@ -594,10 +652,12 @@ class DiskTier(BackingTier):
                 space_error = _write_meta(path, meta)
                 if space_error is not None:
                     meta_pending = meta
-            for seg_path in self._segment_paths():
-                number = int(seg_path.name[len(_SEGMENT_PREFIX) : -len(_SEGMENT_SUFFIX)])
-                if number >= geo.num_segments:  # capacity shrank
-                    seg_path.unlink()
+            rebuild = setup_fd is not None and self._catalog_needs_rebuild(setup_fd, geo, spec, alone, reset)
+            if alone:
+                for seg_path in self._segment_paths():
+                    number = int(seg_path.name[len(_SEGMENT_PREFIX) : -len(_SEGMENT_SUFFIX)])
+                    if number >= geo.num_segments:  # capacity shrank
+                        seg_path.unlink()
             recovered: dict[bytes, tuple[int, int]] = {}
             dropped = 0
             preallocated = True
@@ -605,39 +665,128 @@ class DiskTier(BackingTier):
                 fd = os.open(path / _segment_name(seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
                 fds.append(fd)
                 size = geo.segment_slots(seg) * geo.entry_bytes
-                if os.fstat(fd).st_size > size:
+                if alone and os.fstat(fd).st_size > size:
                     os.ftruncate(fd, size)
-                dropped += _scan(fd, seg, geo, spec.fingerprint, recovered)
+                if setup_fd is None or rebuild:
+                    dropped += _scan(fd, seg, geo, spec.fingerprint, recovered)
                 allocated, err = self._allocate(fd, size)
                 preallocated &= allocated
                 if space_error is None and err is not None and _is_space_error(err):
                     space_error = err
+            catalog: SharedCatalog | None = None
+            if setup_fd is not None:
+                catalog, _ = SharedCatalog.attach(
+                    setup_fd,
+                    geo.num_slots,
+                    geo.entry_bytes,
+                    spec.fingerprint,
+                    rebuild=rebuild,
+                    recovered=lambda: ((key, slot, seq) for key, (seq, slot) in recovered.items()),
+                )
+                fcntl.flock(setup_fd, fcntl.LOCK_UN)  # the set-up is done; the catalog owns the file now
+                recovered = {}
         except BaseException as exc:
             for fd in fds:
                 os.close(fd)
+            if setup_fd is not None:
+                os.close(setup_fd)
             os.close(lock_fd)
             if isinstance(exc, OSError):
                 _raise_explained(exc, path)
             raise
         return _Opened(
             lock_fd=lock_fd,
-            files=_Files(geo, fds, spec.fingerprint, self._fsync),
+            files=_Files(geo, fds, spec.fingerprint, self._fsync, erase=catalog is None),
             recovered=sorted((seq, slot, key) for key, (seq, slot) in recovered.items()),
             recovery_dropped=dropped,
             reset=reset,
             preallocated=preallocated,
             space_error=space_error,
             meta_pending=meta_pending,
+            catalog=catalog,
         )
+
+    def _lock_exclusive(self, lock_fd: int) -> None:
+        """Own the directory alone (``shared=False``), or raise TierLockedError."""
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TierLockedError(
+                f"disk tier directory {str(self.path)!r} is already opened by another process or DiskTier"
+            ) from None
+        with contextlib.suppress(OSError):
+            os.ftruncate(lock_fd, 0)
+            os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+        with contextlib.suppress(FileNotFoundError):  # a catalog left by shared use no longer describes it
+            (self.path / CATALOG_NAME).unlink()
+
+    def _lock_shared(self, lock_fd: int) -> tuple[int, bool]:
+        """Join the processes sharing the directory (``shared=True``): take the set-up lock (the catalog file's
+        flock; released by the caller) and a shared flock on the lock file. Returns the catalog file and
+        whether no other process had the directory open (then the layout may be reset or resized)."""
+        path = self.path
+        setup_fd = os.open(path / CATALOG_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            deadline = time.monotonic() + _SETUP_LOCK_S
+            while True:  # held for microseconds by each change: poll, bounded
+                try:
+                    fcntl.flock(setup_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TierLockedError(
+                            f"disk tier directory {str(path)!r}: its catalog stayed locked for "
+                            f"{_SETUP_LOCK_S:.0f} s (a process holding it is stopped?)"
+                        ) from None
+                    time.sleep(0.001)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                alone = True
+            except BlockingIOError:
+                alone = False
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise TierLockedError(
+                    f"disk tier directory {str(path)!r} is already opened by a process that does not share it "
+                    "(a DiskTier with shared=False)"
+                ) from None
+        except BaseException:
+            os.close(setup_fd)
+            raise
+        return setup_fd, alone
+
+    def _catalog_needs_rebuild(
+        self, setup_fd: int, geo: _Geometry, spec: TierSpec, alone: bool, reset: bool
+    ) -> bool:
+        """Whether the shared catalog must be made afresh (from the segment headers). Raises when other
+        processes share a catalog of another capacity."""
+        found = catalog_geometry(setup_fd)
+        if found is not None and not reset:
+            num_slots, _ways, entry_bytes, fingerprint = found
+            if (num_slots, entry_bytes, fingerprint) == (geo.num_slots, geo.entry_bytes, spec.fingerprint):
+                return False
+            if not alone:
+                raise InvalidArgumentError(
+                    f"capacity_bytes must match the processes sharing {str(self.path)!r}: they use "
+                    f"{num_slots} entries of {entry_bytes} bytes ({num_slots * entry_bytes} bytes), got "
+                    f"{self.capacity_bytes} ({geo.num_slots} entries)"
+                )
+        return True
 
     def _install(self, opened: _Opened, index: BlockIndex) -> None:
         """Make a set-up directory the tier's storage (on the loop, between two calls)."""
-        _restore(index, opened.recovered)
-        self._index = index
+        if opened.catalog is not None:
+            self._catalog = opened.catalog
+            recovered = opened.catalog.stats().ready
+        else:
+            _restore(index, opened.recovered)
+            self._index = index
+            recovered = len(opened.recovered)
         self._files = opened.files
         self._lock_fd = opened.lock_fd
         self._seq = max((seq for seq, _, _ in opened.recovered), default=0) + 1
-        self._c["recovered"] += len(opened.recovered)
+        self._c["recovered"] += recovered
         self._c["recovery_dropped"] += opened.recovery_dropped
         self._reset = opened.reset
         self._preallocated = opened.preallocated
@@ -645,11 +794,11 @@ class DiskTier(BackingTier):
         where = str(self.path)
         if opened.reset:
             _log.info("disk tier %r held another layout: started fresh (old segment files deleted)", where)
-        if opened.recovered or opened.recovery_dropped:
+        if recovered or opened.recovery_dropped:
             _log.info(
                 "disk tier %r: recovered %d entries, dropped %d (torn, foreign or damaged)",
                 where,
-                len(opened.recovered),
+                recovered,
                 opened.recovery_dropped,
             )
         if opened.meta_pending is not None:
@@ -724,6 +873,10 @@ class DiskTier(BackingTier):
             self._pool = None
         if self._files is not None:
             self._files.close()
+        if self._catalog is not None:
+            self._catalog_stats = self._catalog.stats()
+            self._catalog.close()
+            self._catalog = None
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)  # releases the flock
@@ -742,12 +895,17 @@ class DiskTier(BackingTier):
             raise ClosedError("disk tier is not open; call open(spec) first")
         return self._geo
 
-    def _live(self) -> tuple[BlockIndex, _Files, _Geometry] | None:
-        """The tier's storage, or None while it is down (its directory could not be set up)."""
+    def _live(self) -> tuple[_Files, _Geometry] | None:
+        """The tier's files, or None while it is down (its directory could not be set up)."""
         geo = self._geometry()
-        if self._index is None or self._files is None:
+        if self._files is None:
             return None
-        return self._index, self._files, geo
+        return self._files, geo
+
+    def _local(self) -> BlockIndex:
+        """The index of a directory this process owns (``shared=False``)."""
+        assert self._index is not None
+        return self._index
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         assert self._pool is not None
@@ -801,7 +959,7 @@ class DiskTier(BackingTier):
     def _io_failed(self, exc: OSError) -> None:
         self._set_health(TierHealth.DEGRADED, exc)
 
-    async def _retry_setup(self) -> tuple[BlockIndex, _Files, _Geometry] | None:
+    async def _retry_setup(self) -> tuple[_Files, _Geometry] | None:
         """While down: set the directory up again, at most once per backoff interval and one caller at a time.
         Returns the storage when it worked. Never raises but cancellation (delivered after the attempt)."""
         if self._probing or self._clock() < self._retry_at:
@@ -859,7 +1017,11 @@ class DiskTier(BackingTier):
         self._c["lookups"] += 1
         if live is None:
             return 0
-        n = live[0].match_prefix(keys)
+        n = (
+            self._catalog.match_prefix(keys)
+            if self._catalog is not None
+            else self._local().match_prefix(keys)
+        )
         self._c["lookup_hits"] += n
         return n
 
@@ -872,8 +1034,15 @@ class DiskTier(BackingTier):
         if live is None:
             self._c["read_misses"] += 1
             return 0
-        index, files, geo = live
-        slots = index.pin_prefix(keys)
+        files, geo = live
+        catalog = self._catalog
+        tokens: list[int] = []  # shared: the reservation each read slot held when the read began
+        if catalog is not None:
+            found = catalog.begin_reads(keys)
+            slots = [slot for slot, _ in found]
+            tokens = [token for _, token in found]
+        else:
+            slots = self._local().pin_prefix(keys)
         pinned = list(keys[: len(slots)])
         if not slots:
             self._c["read_misses"] += 1
@@ -890,7 +1059,10 @@ class DiskTier(BackingTier):
                 [(files.read, (slots[a:b], pinned[a:b], outs[a:b])) for a, b in parts]
             )
         finally:
-            index.unpin(pinned)
+            if catalog is not None:
+                catalog.end_reads(slots)
+            else:
+                self._local().unpin(pinned)
         done = 0
         complete = True
         failed = False
@@ -902,7 +1074,8 @@ class DiskTier(BackingTier):
             if verdict is None:
                 continue
             failed = failed or err is not None
-            bad = pinned[a + n_ok]
+            i = a + n_ok
+            bad = pinned[i]
             if err is not None:
                 self._c["read_errors"] += 1
                 self._log_io.event(
@@ -912,6 +1085,9 @@ class DiskTier(BackingTier):
                     _describe(err),
                 )
                 self._io_failed(err)
+            elif catalog is not None and not catalog.holds(slots[i], bad, tokens[i]):
+                self._c["raced"] += 1  # another process replaced the entry while it was read: a miss
+                continue
             else:
                 self._c["corrupt"] += 1
                 self._log_corrupt.event(
@@ -920,8 +1096,7 @@ class DiskTier(BackingTier):
                     bad.hex()[:16],
                     verdict.value,
                 )
-            if index.pins(bad) == 0:
-                index.discard(bad)
+            self._drop(bad, slots[i], tokens[i] if catalog is not None else 0)
         if done < len(keys):
             self._c["read_misses"] += 1
         if done and not failed:
@@ -931,6 +1106,20 @@ class DiskTier(BackingTier):
         if cancelled:
             raise asyncio.CancelledError
         return done
+
+    def _drop(self, key: bytes, slot: int, token: int) -> None:
+        """Forget an entry that failed verification or could not be read (unless a read still holds it here,
+        or, shared, another process changed it meanwhile or holds the catalog lock right now)."""
+        catalog = self._catalog
+        if catalog is None:
+            index = self._local()
+            if index.pins(key) == 0:
+                index.discard(key)
+        elif catalog.try_lock():
+            try:
+                catalog.drop_locked(slot, key, token)
+            finally:
+                catalog.unlock()
 
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> int:
         stored, _ = await self._store(keys, payloads, None)
@@ -956,31 +1145,18 @@ class DiskTier(BackingTier):
             if live is None:
                 self._c["dropped_down"] += len(keys)
                 return 0, 0
-        index, files, geo = live
-        slots: list[int] = []
-        wkeys: list[bytes] = []
-        wpayloads: list[memoryview] = []
-        wdamage: list[Damage | None] = []
-        seqs: list[int] = []
-        skipped = 0
-        for i, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
-            if index.state(key) is not None:
-                index.touch(key)
-                skipped += 1
-                continue
-            slot = index.reserve(key)
-            if slot is None:
-                self._c["dropped_no_room"] += 1
-                continue
-            slots.append(slot)
-            wkeys.append(key)
-            wpayloads.append(payload)
-            wdamage.append(damage[i] if damage is not None else None)
-            seqs.append(self._seq)
-            self._seq += 1
-        self._c["skipped_existing"] += skipped
-        if not slots:
-            return skipped, 0
+        files, geo = live
+        plan = self._reserve_local(keys) if self._catalog is None else await self._reserve_shared(keys)
+        if plan is None:
+            return 0, 0
+        self._c["skipped_existing"] += plan.skipped
+        if not plan.slots:
+            return plan.skipped, 0
+        slots = plan.slots
+        wkeys = [keys[i] for i in plan.indices]
+        wpayloads = [payloads[i] for i in plan.indices]
+        wdamage: list[Damage | None] = [damage[i] if damage is not None else None for i in plan.indices]
+        seqs = self._sequence_numbers(len(slots))
         parts = self._split(len(slots), geo.payload_bytes)
         try:
             futs, cancelled = await self._run_all(
@@ -999,26 +1175,22 @@ class DiskTier(BackingTier):
                 ok += part_ok
                 err = err or part_err
         except BaseException:
-            for key in wkeys:
-                index.discard(key)
+            await self._settle(plan, wkeys, [False] * len(wkeys))
             raise
-        stored = 0
-        stored_damaged = 0
-        for key, good, dmg in zip(wkeys, ok, wdamage, strict=True):
-            if good:
-                index.commit(key)
-                stored += 1
-                stored_damaged += dmg is not None
-            else:
-                index.discard(key)
+        committed, settle_cancelled = await self._settle(plan, wkeys, ok)
+        cancelled = cancelled or settle_cancelled
+        stored = sum(committed)
+        stored_damaged = sum(
+            1 for good, dmg in zip(committed, wdamage, strict=True) if good and dmg is not None
+        )
         self._c["stored_blocks"] += stored
         self._c["stored_bytes"] += stored * geo.payload_bytes
-        self._c["dropped_io_error"] += len(wkeys) - stored
+        self._c["dropped_io_error"] += len(wkeys) - sum(ok)
         if err is not None:
             self._log_io.event(
                 "disk tier %r: %d of %d stores dropped: %s",
                 str(self.path),
-                len(wkeys) - stored,
+                len(wkeys) - sum(ok),
                 len(wkeys),
                 _describe(err),
             )
@@ -1029,23 +1201,133 @@ class DiskTier(BackingTier):
                 cancelled = await self._write_pending_meta(self._meta_pending) or cancelled
         if cancelled:
             raise asyncio.CancelledError
-        return skipped + stored, stored_damaged
+        return plan.skipped + stored, stored_damaged
+
+    def _sequence_numbers(self, n: int) -> list[int]:
+        """Write order stamped in the headers (recovery order): a counter when this process owns the
+        directory, wall-clock nanoseconds when processes share it."""
+        if self._catalog is not None:
+            now = time.time_ns()
+            return [now + j for j in range(n)]
+        first = self._seq
+        self._seq += n
+        return list(range(first, first + n))
+
+    def _reserve_local(self, keys: Sequence[bytes]) -> _StorePlan:
+        """Reserve a slot of this process's index for each key it does not hold (or is not writing) yet."""
+        index = self._local()
+        plan = _StorePlan()
+        for i, key in enumerate(keys):
+            if index.state(key) is not None:
+                index.touch(key)
+                plan.skipped += 1
+                continue
+            slot = index.reserve(key)
+            if slot is None:
+                self._c["dropped_no_room"] += 1
+                continue
+            plan.indices.append(i)
+            plan.slots.append(slot)
+        return plan
+
+    async def _reserve_shared(self, keys: Sequence[bytes]) -> _StorePlan | None:
+        """Reserve slots in the shared catalog (under its lock); None when the lock was not free in time."""
+        catalog = self._catalog
+        assert catalog is not None
+        locked, cancelled = await self._lock_catalog(catalog, _RESERVE_LOCK_S)
+        if cancelled:  # nothing reserved yet
+            if locked:
+                catalog.unlock()
+            raise asyncio.CancelledError
+        if not locked:
+            self._c["dropped_busy"] += len(keys)
+            return None
+        try:
+            held, reservations, no_room = catalog.reserve_locked(keys)
+        finally:
+            catalog.unlock()
+        self._c["dropped_no_room"] += no_room
+        return _StorePlan(
+            skipped=held,
+            indices=[r.index for r in reservations],
+            slots=[r.slot for r in reservations],
+            reservations=reservations,
+        )
+
+    async def _settle(self, plan: _StorePlan, wkeys: list[bytes], ok: list[bool]) -> tuple[list[bool], bool]:
+        """Make the entries written completely visible and release the others. Returns which became visible
+        and whether a cancellation arrived meanwhile (delivered by the caller)."""
+        catalog = self._catalog
+        if catalog is None:
+            index = self._local()
+            for key, good in zip(wkeys, ok, strict=True):
+                if good:
+                    index.commit(key)
+                else:
+                    index.discard(key)
+            return ok, False
+        locked, cancelled = await self._lock_catalog(catalog, _COMMIT_LOCK_S)
+        if not locked:  # the slots stay reserved until they are reclaimed as stale
+            self._c["dropped_busy"] += sum(ok)
+            return [False] * len(ok), cancelled
+        try:
+            committed = catalog.commit_locked(plan.reservations, ok)
+        finally:
+            catalog.unlock()
+        self._c["dropped_busy"] += sum(ok) - sum(committed)  # taken over meanwhile (we looked stalled)
+        return committed, cancelled
+
+    async def _lock_catalog(self, catalog: SharedCatalog, timeout_s: float) -> tuple[bool, bool]:
+        """Take the shared catalog's lock, polling (every change holds it for microseconds), for at most
+        ``timeout_s``. Returns (locked, cancelled): a cancellation is remembered, not raised, so that the caller
+        can finish its bookkeeping first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        delay = 50e-6
+        cancelled = False
+        while not catalog.try_lock():
+            if loop.time() >= deadline:
+                self._log_io.event(
+                    "disk tier %r: the shared catalog stayed locked for %.1f s", str(self.path), timeout_s
+                )
+                return False, cancelled
+            try:
+                await asyncio.sleep(delay)
+            except asyncio.CancelledError:
+                cancelled = True
+            delay = min(2 * delay, 2e-3)
+        return True, cancelled
 
     def stats(self) -> DiskTierStats:
-        index_stats = self._index.stats() if self._index is not None else None
         geo = self._geo
+        entries = pending = pinned = evictions = reclaimed = 0
+        shared = self._catalog.stats() if self._catalog is not None else self._catalog_stats
+        if shared is not None:  # the directory's figures, every process included
+            entries, pending, evictions, reclaimed = (
+                shared.ready,
+                shared.writing,
+                shared.evictions,
+                shared.reclaimed,
+            )
+            pinned = len(self._catalog.reading) if self._catalog is not None else 0
+        elif self._index is not None:
+            index_stats = self._index.stats()
+            entries, pending, pinned = index_stats.ready, index_stats.pending, index_stats.pinned
+            evictions = index_stats.evictions
         return DiskTierStats(
             health=self._health,
             path=str(self.path),
             capacity_bytes=self.capacity_bytes,
             entry_bytes=geo.entry_bytes if geo is not None else 0,
             num_slots=geo.num_slots if geo is not None else 0,
-            entries=index_stats.ready if index_stats else 0,
-            pending=index_stats.pending if index_stats else 0,
-            pinned=index_stats.pinned if index_stats else 0,
-            evictions=index_stats.evictions if index_stats else 0,
+            entries=entries,
+            pending=pending,
+            pinned=pinned,
+            evictions=evictions,
             reset=self._reset,
             preallocated=self._preallocated,
+            shared=self.shared,
+            reclaimed=reclaimed,
             last_error=self._last_error,
             **self._c,
         )

@@ -1,22 +1,37 @@
 """A shared Redis / Valkey tier (single node or Redis Cluster) with bounded timeouts and a circuit breaker.
 
 Each block is one string value: the 128-byte header of :mod:`aiokv.tiers._format` followed by the payload,
-under the key ``{namespace}:{fingerprint[:8].hex()}:{block_hash.hex()}``. Entries of another layout live
-under other keys; a value that is foreign anyway (written by hand, by another version, truncated) fails
-verification, counts as ``corrupt``, is deleted and is a miss.
+under the key ``{namespace}:{fingerprint[:8].hex()}:{block_hash.hex()}``. A block larger than one value may be
+(the server's ``proto-max-bulk-len``, read at open, or ``max_value_bytes``) is split into parts of at most
+that size, under ``{key}:{part_bytes}:{j}``: processes configured with another part size use other keys, so
+they never read, count or delete each other's parts. Entries of another layout live under other keys; a value
+that is foreign anyway (written by hand, by another version, truncated) fails verification, counts as
+``corrupt``, is deleted and is a miss.
 
 - ``lookup`` sends one pipelined ``EXISTS`` per key (one round trip for the whole prefix).
 - ``read_into`` sends pipelined ``GET`` (``GETEX`` refreshing the TTL when ``ttl_s`` is set), in batches of at
   most ``max_batch_bytes``, verifies each value, then copies its payload into the caller's buffer.
-- ``write`` sends pipelined ``SET`` (with ``EX ttl_s``). Eviction is the server's (``maxmemory`` +
-  ``maxmemory-policy allkeys-lru`` is the recommended setup); values are never read back by the writer.
+- ``write`` sends pipelined ``SET`` (with ``PX`` when ``ttl_s`` is set). Eviction is the server's
+  (``maxmemory`` + ``maxmemory-policy allkeys-lru`` is the recommended setup); values are never read back by the
+  writer.
 
 Failures never raise. Every call is bounded by ``timeout_s`` (socket timeouts plus an overall deadline);
 a failed call is a miss / dropped write and is counted. After ``failures_to_down`` consecutive failures the
 tier is ``"down"``: calls are answered locally without touching the network until a backoff interval
 (``backoff_s``, doubling up to ``backoff_max_s`` after every failed probe) has passed, then the next call
 probes the server. A successful call brings it back ``"up"``; a failure short of ``failures_to_down`` leaves it
-``"degraded"``.
+``"degraded"``. A round trip whose replies say that the server (or, in a cluster, the node of a slot) cannot
+serve now -- a dropped connection, ``CLUSTERDOWN``, ``LOADING``... -- is a failure too, even when other replies
+of the same pipeline succeeded (those are used).
+
+Cluster (``cluster=True``): keys are spread over the hash slots; redis-py splits each pipeline per node and
+follows ``MOVED`` / ``ASK`` redirects, so a live reshard costs extra round trips, not misses. After a failed
+round trip the slot map is refreshed by the next call, which finds a promoted replica as soon as the cluster
+has one. At most ``max_connections`` round trips are in flight at once, so no node's pool runs dry.
+
+Configuration errors raise at open: credentials the server refuses, or an ACL user not allowed the commands
+this tier runs on its keys, raise :class:`~aiokv.InvalidArgumentError` from ``open()`` -- they would not go
+away by themselves. A server that does not answer at open is not an error: the tier starts degraded or down.
 """
 
 from __future__ import annotations
@@ -36,7 +51,16 @@ try:  # redis is an optional extra (aiokv[redis]): importing aiokv must work wit
     from redis.asyncio.connection import parse_url
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
-    from redis.exceptions import ResponseError
+    from redis.exceptions import (
+        AskError,
+        AuthenticationError,
+        AuthorizationError,
+        ClusterDownError,
+        NoPermissionError,
+        ReadOnlyError,
+        ResponseError,
+        TryAgainError,
+    )
 
     _IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -45,7 +69,16 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from .._errors import ClosedError, InvalidArgumentError, InvalidTypeError, MissingDependencyError
 from .._log import Throttled, get_logger
 from ._base import BackingTier, TierSpec, check_buffers
-from ._format import HEADER_SIZE, Damage, TierHealth, Verdict, check_damage, check_entry, pack_header
+from ._format import (
+    HEADER_SIZE,
+    Damage,
+    TierHealth,
+    Verdict,
+    check_damage,
+    check_entry,
+    check_header,
+    pack_header,
+)
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout_at as _timeout_at
@@ -56,6 +89,15 @@ __all__ = ["RedisTier", "RedisTierStats"]
 
 T = TypeVar("T")
 _log = get_logger("tiers.redis")
+
+DEFAULT_MAX_VALUE_BYTES = 512 << 20
+"""The largest value Redis and Valkey accept by default (their ``proto-max-bulk-len``)."""
+_MIN_VALUE_BYTES = 4096
+_SMALLEST_SERVER_LIMIT = 1 << 20  # proto-max-bulk-len cannot be set lower
+_PROBE_KEY = b"aiokv-permission-probe"  # under the namespace's prefix; never created
+_SPARE_CONNECTIONS = 2  # per cluster node, beyond max_connections: redirects and slot-map refreshes
+_REFUSED_PREFIXES = ("NOAUTH", "WRONGPASS", "NOPERM")
+_UNAVAILABLE_PREFIXES = ("LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", *_REFUSED_PREFIXES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +123,9 @@ class RedisTierStats:
     reconnects: int  # times the tier came back up after being down
     consecutive_failures: int
     backoff_s: float  # current wait before the next probe while down
+    max_value_bytes: int  # the largest value sent: blocks of more bytes (header included) are split
+    parts_per_block: int  # values per block (1 unless blocks are split)
+    server_max_value_bytes: int | None  # the server's proto-max-bulk-len, when it could be read at open
     last_error: str | None
 
 
@@ -173,6 +218,87 @@ def _positive(name: str, value: object, *, allow_none: bool = False) -> None:
         raise InvalidArgumentError(f"{name} must be > 0, got {value}")
 
 
+def _positive_int(name: str, value: object, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_url(url: object, ssl: bool | None) -> str:
+    if not isinstance(url, str):
+        raise InvalidTypeError(f"url must be a str, got {type(url).__name__}")
+    if ssl and url.startswith("redis://"):
+        url = "rediss://" + url[len("redis://") :]
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise InvalidArgumentError(
+            f"url must be a redis://, rediss:// or unix:// url, got {_redact(url)!r}"
+        ) from exc
+    return url
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__  # redis' is no builtin subclass
+
+
+def _refusal(reply: object) -> BaseException | None:
+    """The error in ``reply``'s chain (when it is an exception) saying the server refused the credentials or
+    the user's permissions."""
+    exc = reply if isinstance(reply, BaseException) else None
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (AuthenticationError, AuthorizationError, NoPermissionError)):
+            return exc
+        if isinstance(exc, ResponseError) and str(exc).startswith(_REFUSED_PREFIXES):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _unavailable(reply: object) -> BaseException | None:
+    """``reply`` when it says the server (or the node of its slot) cannot serve now; None for a value, and for
+    a refusal of this one command (``WRONGTYPE`` of a foreign value, ``OOM`` under ``noeviction``...)."""
+    if not isinstance(reply, BaseException):
+        return None
+    if not isinstance(reply, ResponseError):  # connection errors, timeouts, BusyLoadingError
+        return reply
+    if isinstance(reply, (ClusterDownError, TryAgainError, AskError, ReadOnlyError, NoPermissionError)):
+        return reply
+    return reply if str(reply).startswith(_UNAVAILABLE_PREFIXES) else None
+
+
+def _first_unavailable(replies: Sequence[Any]) -> BaseException | None:
+    for reply in replies:
+        problem = _unavailable(reply)
+        if problem is not None:
+            return problem
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Split:
+    """How a block's entry (header + payload) is cut into values of at most ``part_bytes``."""
+
+    entry_bytes: int
+    part_bytes: int
+
+    @classmethod
+    def of(cls, entry_bytes: int, max_value_bytes: int) -> _Split:
+        return cls(entry_bytes, min(entry_bytes, max_value_bytes))
+
+    @property
+    def parts(self) -> int:
+        return -(-self.entry_bytes // self.part_bytes)
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each part in the entry."""
+        step = self.part_bytes
+        return [(j, min(j + step, self.entry_bytes)) for j in range(0, self.entry_bytes, step)]
+
+
 class RedisTier(BackingTier):
     """Tier in a Redis / Valkey server (``cluster=True``: a Redis Cluster), shared by every process that uses
     the same ``url`` and ``namespace`` and the same KV layout.
@@ -181,8 +307,13 @@ class RedisTier(BackingTier):
     ``password`` authenticate (or put them in the URL); ``ssl=True`` or a ``rediss://`` URL enables TLS, with
     ``ssl_options`` (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``,
     ``ssl_check_hostname``, ...) passed through to redis-py, as are ``client_options``.
-    ``max_connections`` bounds the connection pool (per node for a cluster), ``max_batch_bytes`` the bytes of
-    one pipelined read or write. ``clock`` (monotonic seconds) times the backoff; it exists for tests.
+    ``max_connections`` bounds the connection pool (per node for a cluster) and the round trips in flight,
+    ``max_batch_bytes`` the bytes of one pipelined read or write. ``max_value_bytes`` caps the size of one value
+    (default: the server's ``proto-max-bulk-len``, read at open, else 512 MiB): larger blocks are split into
+    parts. ``clock`` (monotonic seconds) times the backoff; it exists for tests.
+
+    :meth:`open` raises :class:`~aiokv.InvalidArgumentError` when the server refuses the credentials or the
+    user may not run the tier's commands on its keys; an unreachable server only leaves the tier degraded.
     """
 
     name = "redis"
@@ -202,6 +333,7 @@ class RedisTier(BackingTier):
         client_options: Mapping[str, Any] | None = None,
         max_connections: int = 32,
         max_batch_bytes: int = 64 << 20,
+        max_value_bytes: int | None = None,
         failures_to_down: int = 2,
         backoff_s: float = 0.5,
         backoff_max_s: float = 30.0,
@@ -211,56 +343,63 @@ class RedisTier(BackingTier):
             raise MissingDependencyError(
                 f"RedisTier needs the redis extra: pip install 'aiokv[redis]' ({_IMPORT_ERROR})"
             )
-        if not isinstance(url, str):
-            raise InvalidTypeError(f"url must be a str, got {type(url).__name__}")
-        if ssl and url.startswith("redis://"):
-            url = "rediss://" + url[len("redis://") :]
-        try:
-            parse_url(url)
-        except ValueError as exc:
-            raise InvalidArgumentError(
-                f"url must be a redis://, rediss:// or unix:// url, got {_redact(url)!r}"
-            ) from exc
+        self.url = _check_url(url, ssl)
         if not isinstance(namespace, str) or not namespace:
             raise InvalidArgumentError(f"namespace must be a non-empty str, got {namespace!r}")
         _positive("ttl_s", ttl_s, allow_none=True)
         _positive("timeout_s", timeout_s)
         _positive("backoff_s", backoff_s)
         _positive("backoff_max_s", backoff_max_s)
-        for name, value in (
-            ("max_connections", max_connections),
-            ("max_batch_bytes", max_batch_bytes),
-            ("failures_to_down", failures_to_down),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise InvalidArgumentError(f"{name} must be > 0, got {value}")
-        self.url = url
+        _positive_int("max_connections", max_connections)
+        _positive_int("max_batch_bytes", max_batch_bytes)
+        _positive_int("failures_to_down", failures_to_down)
+        if max_value_bytes is not None:
+            _positive_int("max_value_bytes", max_value_bytes, minimum=_MIN_VALUE_BYTES)
         self.namespace = namespace
         self.ttl_s = ttl_s
         self.timeout_s = float(timeout_s)
         self.cluster = cluster
-        self._client_kwargs: dict[str, Any] = {
+        self._client_kwargs = self._connection_options(username, password, ssl_options, client_options)
+        self._username = username
+        self._max_connections = max_connections
+        self._max_batch_bytes = max_batch_bytes
+        self._max_value_bytes = max_value_bytes
+        self._clock = clock
+        self._breaker = _Breaker(failures_to_down, float(backoff_s), float(backoff_max_s), clock)
+        self._init_state()
+        self._init_logs()
+
+    def _connection_options(
+        self,
+        username: str | None,
+        password: str | None,
+        ssl_options: Mapping[str, Any] | None,
+        client_options: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        """redis-py connection options: bounded sockets, no retries inside redis-py (the breaker decides)."""
+        options: dict[str, Any] = {
             "socket_timeout": self.timeout_s,
             "socket_connect_timeout": self.timeout_s,
-            "retry": Retry(NoBackoff(), 0),  # never retry inside redis-py: the breaker decides
+            "retry": Retry(NoBackoff(), 0),
             "health_check_interval": 0,
             **(ssl_options or {}),
             **(client_options or {}),
         }
         if username is not None:
-            self._client_kwargs["username"] = username
+            options["username"] = username
         if password is not None:
-            self._client_kwargs["password"] = password
-        self._max_connections = max_connections
-        self._max_batch_bytes = max_batch_bytes
-        self._clock = clock
-        self._breaker = _Breaker(failures_to_down, float(backoff_s), float(backoff_max_s), clock)
+            options["password"] = password
+        return options
+
+    def _init_state(self) -> None:
         self._client: Redis | RedisCluster | None = None
+        self._in_flight: asyncio.Semaphore | None = None  # cluster: bounds the round trips in flight
+        self._stale_topology = False  # cluster: refresh the slot map before the next round trip
         self._buffers: list[bytearray] = []  # reusable value buffers (header + payload), see write()
         self._keep_buffers = 0
         self._spec: TierSpec | None = None
+        self._split: _Split | None = None
+        self._server_max_value_bytes: int | None = None
         self._prefix = b""
         self._opened = False
         self._closed = False
@@ -285,7 +424,9 @@ class RedisTier(BackingTier):
             ),
             0,
         )
-        where = f"redis tier {_redact(self.url)!r} namespace {namespace!r}"
+
+    def _init_logs(self) -> None:
+        where = f"redis tier {_redact(self.url)!r} namespace {self.namespace!r}"
         self._where = where
         self._log_degraded = Throttled(_log, logging.WARNING, f"{where}: degraded again")
         self._log_down = Throttled(_log, logging.WARNING, f"{where}: down again")
@@ -293,6 +434,9 @@ class RedisTier(BackingTier):
         self._log_io = Throttled(_log, logging.WARNING, f"{where}: failed round trips")
         self._log_corrupt = Throttled(_log, logging.WARNING, f"{where}: corrupt values dropped")
         self._log_rejected = Throttled(_log, logging.WARNING, f"{where}: values refused by the server")
+        self._log_too_large = Throttled(
+            _log, logging.ERROR, f"{where}: values larger than the server accepts"
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._opened else "new"
@@ -303,8 +447,14 @@ class RedisTier(BackingTier):
 
     # ------------------------------------------------------------- lifecycle
     async def open(self, spec: TierSpec) -> None:
-        """Create the client and ping the server once. Never raises for an unreachable server: the tier
-        starts ``"degraded"`` or ``"down"`` and probes again later."""
+        """Create the client, then one bounded round trip checks the credentials and the user's permissions
+        (on a key that never exists: nothing is written) and reads the server's ``proto-max-bulk-len``.
+
+        Raises :class:`~aiokv.InvalidArgumentError` when the server refuses the credentials (``WRONGPASS``,
+        ``NOAUTH``) or the user may not run ``EXISTS``, ``GET``/``GETEX``, ``SET`` and ``DEL`` on the
+        namespace's keys (``NOPERM``); the tier is closed then. Never raises for an unreachable server: the tier
+        starts ``"degraded"`` or ``"down"`` and probes again later.
+        """
         if self._opened or self._closed:
             raise ClosedError("a RedisTier can be opened once; create a new one")
         if not isinstance(spec, TierSpec):
@@ -315,18 +465,87 @@ class RedisTier(BackingTier):
             raise InvalidArgumentError(f"spec.fingerprint must be 32 bytes, got {len(spec.fingerprint)}")
         self._spec = spec
         self._prefix = f"{self.namespace}:{spec.fingerprint[:8].hex()}:".encode()
+        self._split = _Split.of(
+            HEADER_SIZE + spec.payload_bytes, self._max_value_bytes or DEFAULT_MAX_VALUE_BYTES
+        )
         self._keep_buffers = self._batch_len()
-        if self.cluster:
-            self._client = RedisCluster.from_url(
-                self.url, max_connections=self._max_connections, **self._client_kwargs
-            )
-        else:
-            pool = BlockingConnectionPool.from_url(
-                self.url, max_connections=self._max_connections, timeout=self.timeout_s, **self._client_kwargs
-            )
-            self._client = Redis.from_pool(pool)
+        self._client = self._make_client()
         self._opened = True
-        await self.ping()
+        try:
+            await self._check_server()
+        except InvalidArgumentError:
+            await self.aclose()
+            raise
+
+    def _make_client(self) -> Redis | RedisCluster:
+        if self.cluster:
+            self._in_flight = asyncio.Semaphore(self._max_connections)
+            return RedisCluster.from_url(
+                self.url, max_connections=self._max_connections + _SPARE_CONNECTIONS, **self._client_kwargs
+            )
+        pool = BlockingConnectionPool.from_url(
+            self.url, max_connections=self._max_connections, timeout=self.timeout_s, **self._client_kwargs
+        )
+        return Redis.from_pool(pool)
+
+    async def _check_server(self) -> None:
+        """The open-time round trip (see :meth:`open`)."""
+        probe = self._prefix + _PROBE_KEY
+        px = self._ttl_ms()
+
+        async def op(client: Redis | RedisCluster) -> tuple[int | None]:
+            pipe = client.pipeline(transaction=False)
+            pipe.exists(probe)
+            if px is None:
+                pipe.get(probe)
+            else:
+                pipe.getex(probe, px=px)
+            pipe.set(probe, b"", xx=True, px=px)  # XX: only if it exists, which it never does
+            pipe.delete(probe)
+            for reply in await pipe.execute(raise_on_error=False):
+                refused = _refusal(reply)
+                if refused is not None:
+                    raise refused
+            return (await _server_max_value_bytes(client),)
+
+        answer = await self._call(op, _now() + self.timeout_s, refusals_raise=True)
+        if isinstance(answer, _Failed):
+            return  # no answer: the tier starts degraded and later calls probe the server
+        (limit,) = answer
+        if limit is None:
+            await self._check_value_size()
+            return
+        self._server_max_value_bytes = limit
+        split = _Split.of(self._parts().entry_bytes, min(limit, self._max_value_bytes or limit))
+        if split.parts > 1:
+            _log.info(
+                "%s: blocks of %d bytes exceed the largest value %d: each is stored in %d values",
+                self._where,
+                split.entry_bytes,
+                split.part_bytes,
+                split.parts,
+            )
+        self._split = split
+
+    async def _check_value_size(self) -> None:
+        """When the server's ``proto-max-bulk-len`` cannot be read: send one value as large as the largest this
+        tier sends (``SET ... XX``: never stored). A server that answers PING but drops the connection over that
+        value refuses values this large: raise, naming ``max_value_bytes``."""
+        size = self._parts().part_bytes
+        if size <= _SMALLEST_SERVER_LIMIT:
+            return
+        probe, value = self._prefix + _PROBE_KEY, bytes(size)
+
+        async def op(client: Redis | RedisCluster) -> Any:
+            return await client.set(probe, value, xx=True)
+
+        if not isinstance(await self._call(op, _now() + self.timeout_s), _Failed) or not await self.ping():
+            return
+        raise InvalidArgumentError(
+            f"max_value_bytes must not exceed the server's proto-max-bulk-len: {self._where} refused a value of "
+            f"{size} bytes ({self._last_error}) and the user may not read the limit (CONFIG GET); set "
+            "max_value_bytes to it, larger blocks are then split"
+        )
 
     async def ping(self) -> bool:
         """One round trip to the server (bounded by ``timeout_s``); updates the health. True when it answered."""
@@ -349,6 +568,7 @@ class RedisTier(BackingTier):
             self._log_io,
             self._log_corrupt,
             self._log_rejected,
+            self._log_too_large,
         ):
             throttle.flush()
         client, self._client = self._client, None
@@ -356,6 +576,11 @@ class RedisTier(BackingTier):
             try:
                 async with _timeout_at(asyncio.get_running_loop().time() + self.timeout_s):
                     await client.aclose()
+                    if isinstance(client, RedisCluster):
+                        # A cluster client whose start failed (refused credentials, no node answered) closes
+                        # nothing in aclose(): close the sockets of every node it knows, TLS ones included.
+                        await client.nodes_manager.aclose()
+                        await client.nodes_manager.aclose("startup_nodes")
             except Exception:  # closing a dead connection may fail in many ways
                 pass
 
@@ -372,15 +597,41 @@ class RedisTier(BackingTier):
             raise ClosedError("redis tier is not open; call open(spec) first")
         return self._client, self._spec
 
+    def _parts(self) -> _Split:
+        assert self._split is not None
+        return self._split
+
     def redis_key(self, key: bytes) -> bytes:
-        """The Redis key of block ``key`` (for tools and tests)."""
-        if not self._prefix:
+        """The Redis key of block ``key`` (of its first part when blocks are split), for tools and tests."""
+        return self.redis_keys(key)[0]
+
+    def redis_keys(self, key: bytes) -> list[bytes]:
+        """The Redis keys of block ``key``'s values: one, or one per part when blocks are split."""
+        if not self._prefix or self._split is None:
             raise ClosedError("redis tier is not open; call open(spec) first")
-        return self._prefix + key.hex().encode()
+        base = self._prefix + key.hex().encode()
+        split = self._split
+        if split.parts == 1:
+            return [base]
+        return [b"%s:%d:%d" % (base, split.part_bytes, j) for j in range(split.parts)]
+
+    def _ttl_ms(self) -> int | None:
+        return None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
 
     # --------------------------------------------------------------- plumbing
-    async def _call(self, op: Callable[[Redis | RedisCluster], Awaitable[T]], deadline: float) -> T | _Failed:
-        """Run one round trip under the breaker and the deadline (loop time); never raises but cancellation."""
+    async def _call(
+        self,
+        op: Callable[[Redis | RedisCluster], Awaitable[T]],
+        deadline: float,
+        *,
+        check: Callable[[T], BaseException | None] | None = None,
+        refusals_raise: bool = False,
+    ) -> T | _Failed:
+        """Run one round trip under the breaker and the deadline (loop time); never raises but cancellation
+        (and, with ``refusals_raise``, :class:`InvalidArgumentError` for refused credentials or permissions).
+
+        ``check`` inspects a result for replies saying the server could not serve (see :func:`_unavailable`):
+        the round trip then counts as a failure, and the result is still returned (its other replies hold)."""
         client = self._client
         breaker = self._breaker
         before = breaker.state
@@ -389,30 +640,49 @@ class RedisTier(BackingTier):
             self._c["skipped"] += 1
             return _FAILED
         if deadline <= _now():
-            return self._failed(TimeoutError("deadline passed before the round trip"), probe, timeout=True)
+            return self._failed(TimeoutError("deadline passed before the round trip"), probe)
         try:
             async with _timeout_at(deadline):
-                result = await op(client)
+                result = await self._run(client, op)
         except asyncio.CancelledError:
             breaker.abandoned(probe)
             raise
-        except TimeoutError as exc:  # redis' TimeoutError is not a builtin TimeoutError subclass
-            failure = self._failed(exc, probe, timeout=True)
         except Exception as exc:  # any failure of the backend is a miss, never an error
-            failure = self._failed(exc, probe, timeout="Timeout" in type(exc).__name__)
-        else:
+            refused = _refusal(exc) if refusals_raise else None
+            if refused is not None:
+                raise InvalidArgumentError(self._explain_refusal(refused)) from exc
+            failure = self._failed(exc, probe)
+            await self._after_failure(client)
+            return failure
+        problem = check(result) if check is not None else None
+        if problem is None:
             breaker.success()
             self._health_changed(before)
             return result
-        await self._drop_idle_connections(client)
-        return failure
+        self._failed(problem, probe)
+        await self._after_failure(client)
+        return result
 
-    async def _drop_idle_connections(self, client: Redis | RedisCluster) -> None:
+    async def _run(
+        self, client: Redis | RedisCluster, op: Callable[[Redis | RedisCluster], Awaitable[T]]
+    ) -> T:
+        if not isinstance(client, RedisCluster):
+            return await op(client)
+        assert self._in_flight is not None
+        async with self._in_flight:
+            if self._stale_topology:  # after a failure: a master may have been replaced by its replica
+                await client.nodes_manager.initialize()
+                self._stale_topology = False
+            return await op(client)
+
+    async def _after_failure(self, client: Redis | RedisCluster) -> None:
         """After a failure the pooled idle connections are suspect (a restarted server leaves them half
-        closed): close them so that the next call, the probe in particular, connects afresh."""
+        closed): close them so that the next call, the probe in particular, connects afresh; in a cluster, also
+        refresh the slot map before the next round trip."""
         try:
             async with _timeout_at(_now() + self.timeout_s):
                 if isinstance(client, RedisCluster):
+                    self._stale_topology = True
                     await asyncio.gather(
                         *(node.disconnect_free_connections() for node in client.get_nodes()),
                         return_exceptions=True,
@@ -422,16 +692,33 @@ class RedisTier(BackingTier):
         except Exception:  # closing sockets of a dead server may fail in many ways; they are gone anyway
             pass
 
-    def _failed(self, exc: BaseException, probe: bool, *, timeout: bool) -> _Failed:
-        self._c["timeouts" if timeout else "errors"] += 1
+    def _failed(self, exc: BaseException, probe: bool) -> _Failed:
+        self._c["timeouts" if _is_timeout(exc) else "errors"] += 1
         self._last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         before = self._breaker.state
         self._breaker.failure(probe)
         self._log_io.event(
             "%s: %s failed: %s", self._where, "probe" if probe else "round trip", self._last_error
         )
+        if "bulk length" in str(exc):  # the server refused a value larger than its proto-max-bulk-len
+            self._log_too_large.event(
+                "%s: the server refused a value of %d bytes (%s): set max_value_bytes to its "
+                "proto-max-bulk-len, or grant the user +config|get so that the tier reads it at open",
+                self._where,
+                self._parts().part_bytes,
+                self._last_error,
+            )
         self._health_changed(before)
         return _FAILED
+
+    def _explain_refusal(self, exc: BaseException) -> str:
+        if isinstance(exc, NoPermissionError) or str(exc).startswith("NOPERM"):
+            return (
+                f"username {self._username!r} may not run the commands {self._where} needs ({exc}): grant it "
+                f"at least ~{self.namespace}:* +exists +get +getex +set +del +ping, and +command "
+                "+cluster|slots for a cluster (+config|get lets the tier read proto-max-bulk-len)"
+            )
+        return f"password or username refused by {self._where}: {exc}"
 
     def _health_changed(self, before: TierHealth) -> None:
         """Log a transition of the breaker's state (WARNING when worse, INFO when back up)."""
@@ -454,8 +741,8 @@ class RedisTier(BackingTier):
             )
 
     def _batch_len(self) -> int:
-        assert self._spec is not None
-        return max(1, self._max_batch_bytes // (HEADER_SIZE + self._spec.payload_bytes))
+        """Blocks per pipelined round trip."""
+        return max(1, self._max_batch_bytes // self._parts().entry_bytes)
 
     # ------------------------------------------------------------ operations
     async def lookup(self, keys: Sequence[bytes]) -> int:
@@ -463,7 +750,8 @@ class RedisTier(BackingTier):
         self._c["lookups"] += 1
         if not keys:
             return 0
-        rkeys = [self.redis_key(k) for k in keys]
+        per = self._parts().parts
+        rkeys = [rkey for key in keys for rkey in self.redis_keys(key)]
 
         async def op(client: Redis | RedisCluster) -> list[Any]:
             pipe = client.pipeline(transaction=False)
@@ -471,13 +759,11 @@ class RedisTier(BackingTier):
                 pipe.exists(rkey)
             return await pipe.execute(raise_on_error=False)
 
-        result = await self._call(op, _now() + self.timeout_s)
+        result = await self._call(op, _now() + self.timeout_s, check=_first_unavailable)
         if isinstance(result, _Failed):
             return 0
         n = 0
-        for present in result:
-            if present != 1:
-                break
+        while n < len(keys) and all(present == 1 for present in result[n * per : (n + 1) * per]):
             n += 1
         self._c["lookup_hits"] += n
         return n
@@ -489,56 +775,46 @@ class RedisTier(BackingTier):
             return 0
         self._c["reads"] += 1
         deadline = _now() + self.timeout_s
-        ttl = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+        ttl = self._ttl_ms()
         step = self._batch_len()
+        per = self._parts().parts
         done = 0
         while done < len(keys):
-            chunk = [self.redis_key(k) for k in keys[done : done + step]]
+            chunk = keys[done : done + step]
+            rkeys = [rkey for key in chunk for rkey in self.redis_keys(key)]
 
-            async def op(client: Redis | RedisCluster, chunk: list[bytes] = chunk) -> list[Any]:
+            async def op(client: Redis | RedisCluster, rkeys: list[bytes] = rkeys) -> list[Any]:
                 pipe = client.pipeline(transaction=False)
-                for rkey in chunk:
+                for rkey in rkeys:
                     if ttl is None:
                         pipe.get(rkey)
                     else:
                         pipe.getex(rkey, px=ttl)
                 return await pipe.execute(raise_on_error=False)
 
-            values = await self._call(op, deadline)
+            values = await self._call(op, deadline, check=_first_unavailable)
             if isinstance(values, _Failed):
                 break
             corrupt: bytes | None = None
             accepted = 0
-            for rkey, value in zip(chunk, values, strict=True):
-                i = done + accepted
-                if value is None:
+            for j, key in enumerate(chunk):
+                verdict = self._assemble(key, values[j * per : (j + 1) * per], outs[done + j])
+                if verdict is None:  # absent, or its node could not serve it: a miss
                     break
-                verdict = (
-                    check_entry(
-                        memoryview(value)[:HEADER_SIZE],
-                        memoryview(value)[HEADER_SIZE:],
-                        fingerprint=spec.fingerprint,
-                        key=keys[i],
-                        payload_len=spec.payload_bytes,
-                    )
-                    if isinstance(value, bytes)
-                    else Verdict.BAD_HEADER  # WRONGTYPE and friends
-                )
                 if verdict is not Verdict.OK:
                     self._c["corrupt"] += 1
                     self._log_corrupt.event(
                         "%s: value of %s failed verification (%s), deleted",
                         self._where,
-                        keys[i].hex()[:16],
+                        key.hex()[:16],
                         verdict.value,
                     )
-                    corrupt = rkey
+                    corrupt = key
                     break
-                _as_bytes(outs[i])[:] = memoryview(value)[HEADER_SIZE:]
                 accepted += 1
             done += accepted
             if corrupt is not None:
-                await self._delete(corrupt, deadline)
+                await self._delete(self.redis_keys(corrupt), deadline)
             if accepted < len(chunk):
                 break
         if done < len(keys):
@@ -547,11 +823,51 @@ class RedisTier(BackingTier):
         self._c["read_bytes"] += done * spec.payload_bytes
         return done
 
-    async def _delete(self, rkey: bytes, deadline: float) -> None:
-        async def op(client: Redis | RedisCluster) -> Any:
-            return await client.delete(rkey)
+    def _assemble(self, key: bytes, values: Sequence[Any], out: memoryview) -> Verdict | None:
+        """Verify block ``key`` from its values and copy its payload into ``out``. None: a miss (a value is
+        absent or could not be read); else the verdict (anything but OK means the entry is corrupt or foreign).
+        ``out`` is scratch: it may hold partial data when the verdict is not OK."""
+        assert self._spec is not None
+        for value in values:
+            if value is None:
+                return None
+            if isinstance(value, BaseException):  # WRONGTYPE: a value of another kind under our key
+                return Verdict.BAD_HEADER if str(value).startswith("WRONGTYPE") else None
+        fingerprint, payload_len = self._spec.fingerprint, self._spec.payload_bytes
+        dst = _as_bytes(out)
+        if len(values) == 1:
+            entry = memoryview(values[0])
+            verdict = check_entry(
+                entry[:HEADER_SIZE],
+                entry[HEADER_SIZE:],
+                fingerprint=fingerprint,
+                key=key,
+                payload_len=payload_len,
+            )
+            if verdict is Verdict.OK:
+                dst[:] = entry[HEADER_SIZE:]
+            return verdict
+        bounds = self._parts().bounds()
+        if any(len(v) != end - start for v, (start, end) in zip(values, bounds, strict=True)):
+            return Verdict.WRONG_LENGTH
+        head = check_header(values[0], fingerprint=fingerprint, payload_len=payload_len, key=key)
+        if isinstance(head, Verdict):
+            return head
+        for value, (start, end) in zip(values, bounds, strict=True):
+            lo = max(start, HEADER_SIZE)
+            dst[lo - HEADER_SIZE : end - HEADER_SIZE] = memoryview(value)[lo - start :]
+        return check_entry(
+            values[0][:HEADER_SIZE], dst, fingerprint=fingerprint, key=key, payload_len=payload_len
+        )
 
-        await self._call(op, max(deadline, _now() + self.timeout_s / 4))
+    async def _delete(self, rkeys: list[bytes], deadline: float) -> None:
+        async def op(client: Redis | RedisCluster) -> Any:
+            pipe = client.pipeline(transaction=False)
+            for rkey in rkeys:
+                pipe.delete(rkey)
+            return await pipe.execute(raise_on_error=False)
+
+        await self._call(op, max(deadline, _now() + self.timeout_s / 4), check=_first_unavailable)
 
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> int:
         stored, _ = await self._store(keys, payloads, None)
@@ -574,9 +890,11 @@ class RedisTier(BackingTier):
         check_buffers("payloads", keys, payloads, spec.payload_bytes)
         self._c["writes"] += 1
         deadline = _now() + self.timeout_s
-        ttl = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+        ttl = self._ttl_ms()
         step = self._batch_len()
-        entry = HEADER_SIZE + spec.payload_bytes
+        split = self._parts()
+        per = split.parts
+        bounds = split.bounds()
         stored = 0
         stored_damaged = 0
         start = 0
@@ -587,18 +905,18 @@ class RedisTier(BackingTier):
             bufs: list[bytearray] = []
             items: list[tuple[bytes, memoryview]] = []
             for k, p in zip(keys[start : start + step], payloads[start : start + step], strict=True):
-                buf = self._buffers.pop() if self._buffers else bytearray(entry)
+                buf = self._buffers.pop() if self._buffers else bytearray(split.entry_bytes)
                 value = memoryview(buf)
                 value[:HEADER_SIZE] = pack_header(k, spec.fingerprint, p)
                 value[HEADER_SIZE:] = _as_bytes(p)
                 bufs.append(buf)
-                items.append((self.redis_key(k), value))
-            # Fault injection: flip one byte of a value after its checksums were computed (a reused buffer is
+                items += [(rkey, value[a:b]) for rkey, (a, b) in zip(self.redis_keys(k), bounds, strict=True)]
+            # Fault injection: flip one byte of an entry after its checksums were computed (a reused buffer is
             # rewritten whole before its next use).
-            hurt = damage[start : start + len(items)] if damage is not None else ()
-            for (_, value), dmg in zip(items, hurt, strict=False):
+            hurt = damage[start : start + len(bufs)] if damage is not None else ()
+            for buf, dmg in zip(bufs, hurt, strict=False):
                 if dmg is not None:
-                    value[dmg[0]] ^= dmg[1]
+                    buf[dmg[0]] ^= dmg[1]
 
             async def op(
                 client: Redis | RedisCluster, items: list[tuple[bytes, memoryview]] = items
@@ -608,18 +926,23 @@ class RedisTier(BackingTier):
                     pipe.set(rkey, value, px=ttl)
                 return await pipe.execute(raise_on_error=False)
 
-            result = await self._call(op, deadline)
+            result = await self._call(op, deadline, check=_first_unavailable)
             if isinstance(result, _Failed):
                 break  # the buffers may still be referenced by a closing connection: let them go
-            for j, reply in enumerate(result):
-                if isinstance(reply, ResponseError):
-                    self._c["rejected"] += 1
-                    self._last_error = f"ResponseError: {reply}"
-                    self._log_rejected.event("%s: the server refused a value: %s", self._where, reply)
-                elif reply:
+            for j in range(len(bufs)):
+                replies = result[j * per : (j + 1) * per]
+                if all(reply is True for reply in replies):
                     stored += 1
                     stored_damaged += bool(hurt) and hurt[j] is not None
-            start += len(items)
+                    continue
+                refusal = next(
+                    (r for r in replies if isinstance(r, ResponseError) and not _unavailable(r)), None
+                )
+                if refusal is not None:
+                    self._c["rejected"] += 1
+                    self._last_error = f"ResponseError: {refusal}"
+                    self._log_rejected.event("%s: the server refused a value: %s", self._where, refusal)
+            start += len(bufs)
             del items
             # The server answered, so every byte was sent: the buffers can be reused.
             self._buffers.extend(bufs[: max(0, self._keep_buffers - len(self._buffers))])
@@ -630,6 +953,7 @@ class RedisTier(BackingTier):
 
     def stats(self) -> RedisTierStats:
         breaker = self._breaker
+        split = self._split
         return RedisTierStats(
             health=breaker.state,
             url=_redact(self.url),
@@ -637,9 +961,27 @@ class RedisTier(BackingTier):
             reconnects=breaker.reconnects,
             consecutive_failures=breaker.failures,
             backoff_s=breaker.backoff,
+            max_value_bytes=split.part_bytes if split is not None else 0,
+            parts_per_block=split.parts if split is not None else 0,
+            server_max_value_bytes=self._server_max_value_bytes,
             last_error=self._last_error,
             **self._c,
         )
+
+
+async def _server_max_value_bytes(client: Redis | RedisCluster) -> int | None:
+    """The server's ``proto-max-bulk-len``, or None when the user may not read it (``NOPERM``) or ``CONFIG``
+    is renamed away (managed services); connection failures propagate."""
+    try:
+        reply: Any = await client.config_get("proto-max-bulk-len")
+    except ResponseError:
+        return None
+    if isinstance(reply, dict) and reply and all(isinstance(v, dict) for v in reply.values()):
+        reply = next(iter(reply.values()))  # one answer per node
+    try:
+        return int(reply["proto-max-bulk-len"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _now() -> float:

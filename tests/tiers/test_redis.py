@@ -334,13 +334,22 @@ async def test_tls_and_auth_options_reach_the_connection(closed_port: int) -> No
 
 
 @pytest.mark.asyncio
-async def test_auth_with_a_password_protected_server(own_redis_server: Any) -> None:
+async def test_refused_password_raises_at_open_and_closes_the_tier(own_redis_server: Any) -> None:
+    """Wrong credentials are a configuration error: open() raises (the engine does not start as if the cache
+    were merely down); the right ones work."""
     admin = aioredis.Redis.from_url(own_redis_server.url)
     await admin.config_set("requirepass", "s3cret")
     await admin.aclose()
-    wrong = await open_tier(own_redis_server.url, "auth", password="nope", failures_to_down=1)
-    assert wrong.stats().health == TierHealth.DOWN
-    await wrong.aclose()
+    wrong = RedisTier(own_redis_server.url, namespace="auth", password="nope", failures_to_down=1)
+    with pytest.raises(
+        InvalidArgumentError, match=r"password or username refused by redis tier .*WRONGPASS|invalid"
+    ):
+        await wrong.open(make_spec())
+    assert "closed" in repr(wrong)
+    assert "nope" not in repr(wrong)
+    missing = RedisTier(own_redis_server.url, namespace="auth")
+    with pytest.raises(InvalidArgumentError, match="password or username refused"):
+        await missing.open(make_spec())
     right = await open_tier(own_redis_server.url, "auth", password="s3cret")
     assert await right.write(make_keys(1), make_payloads(1)) == 1
     assert right.stats().health == TierHealth.UP
@@ -393,3 +402,106 @@ def test_breaker_counts_only_the_probe_against_the_backoff() -> None:
     assert breaker.allow() is True
     breaker.success()
     assert (breaker.state, breaker.backoff, breaker.reconnects, breaker.failures) == (TierHealth.UP, 1, 1, 0)
+
+
+class ScriptedPipeline:
+    """A redis-py pipeline stand-in whose execute() returns the next scripted list of replies."""
+
+    def __init__(self, client: ScriptedClient) -> None:
+        self.client = client
+        self.commands: list[tuple[str, bytes]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def queue(key: bytes, *args: Any, **kwargs: Any) -> None:
+            self.commands.append((name, key))
+
+        return queue
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        self.client.sent.append(self.commands)
+        return self.client.replies.pop(0)
+
+
+class ScriptedClient:
+    def __init__(self, *replies: list[Any]) -> None:
+        self.replies = list(replies)
+        self.sent: list[list[tuple[str, bytes]]] = []
+
+    def pipeline(self, transaction: bool = False) -> ScriptedPipeline:
+        return ScriptedPipeline(self)
+
+
+async def scripted(
+    redis_server: Any, namespace: str, *replies: list[Any]
+) -> tuple[RedisTier, ScriptedClient]:
+    tier = await open_tier(redis_server.url, namespace, failures_to_down=10)
+    await tier._client.aclose()  # type: ignore[union-attr]
+    fake = ScriptedClient(*replies)
+    tier._client = fake  # type: ignore[assignment]
+    return tier, fake
+
+
+@pytest.mark.asyncio
+async def test_error_replies_in_a_pipeline_are_not_stored_nor_corrupt(
+    redis_server: Any, namespace: str
+) -> None:
+    """Regression: a pipeline whose node failed part way returns exception objects among the replies. They
+    must count as failed round trips -- not as stored blocks, and not as corrupt values to delete."""
+    from redis.exceptions import ClusterDownError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    keys, data = make_keys(2), make_payloads(2)
+    good = pack_header(keys[0], FP, data[0]) + bytes(data[0])
+    tier, fake = await scripted(
+        redis_server,
+        namespace,
+        [True, RedisConnectionError("Connection reset by peer")],
+        [good, ClusterDownError("CLUSTERDOWN The cluster is down")],
+        [1, RedisConnectionError("Connection reset by peer")],
+    )
+    assert await tier.write(keys, data) == 1
+    outs = make_outs(2)
+    assert await tier.read_into(keys, outs) == 1
+    assert bytes(outs[0]) == bytes(data[0])
+    assert await tier.lookup(keys) == 1
+    stats = tier.stats()
+    assert (stats.stored_blocks, stats.dropped, stats.corrupt, stats.errors) == (1, 1, 0, 3)
+    assert (stats.health, stats.consecutive_failures) == (TierHealth.DEGRADED, 3)
+    assert [name for batch in fake.sent for name, _ in batch] == [
+        "set",
+        "set",
+        "get",
+        "get",
+        "exists",
+        "exists",
+    ]
+    await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_refusals_of_one_value_leave_the_tier_up(redis_server: Any, namespace: str) -> None:
+    """OOM (maxmemory-policy noeviction) refuses one value: counted as rejected, the server is healthy;
+    WRONGTYPE is a foreign value under our key: corrupt, deleted."""
+    from redis.exceptions import OutOfMemoryError, ResponseError
+
+    keys, data = make_keys(2), make_payloads(2)
+    good = pack_header(keys[0], FP, data[0]) + bytes(data[0])
+    tier, fake = await scripted(
+        redis_server,
+        namespace,
+        [True, OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'.")],
+        [good, ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")],
+        [1],
+    )
+    assert await tier.write(keys, data) == 1
+    assert await tier.read_into(keys, make_outs(2)) == 1
+    stats = tier.stats()
+    assert (stats.stored_blocks, stats.rejected, stats.corrupt, stats.errors, stats.health) == (
+        1,
+        1,
+        1,
+        0,
+        TierHealth.UP,
+    )
+    assert fake.sent[-1] == [("delete", tier.redis_key(keys[1]))]
+    await tier.aclose()

@@ -1,0 +1,347 @@
+"""RedisTier against real 6-node clusters (3 masters, 3 replicas) of redis-server and valkey-server.
+
+Blocks spread over every master; a live reshard (slots MIGRATING / IMPORTING, keys moved batch by batch while
+the tier reads and writes, then reassigned) costs no miss; a master SIGKILLed under a running Offloader
+workload is replaced by its replica, every request finishes with exact KV, nothing corrupt is loaded and the
+failures are counted; TLS with client certificates and ACL users, with refused credentials and missing
+permissions raising at open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import SSLConnection
+from redis.crc import key_slot
+from redis.exceptions import AskError
+
+from aiokv import CPUTier, Offloader
+from aiokv._errors import InvalidArgumentError
+from aiokv.tiers._format import TierHealth
+from aiokv.tiers._redis import RedisTier
+
+from . import _entries as entries
+from ._servers import Binary, Cluster, Security, TlsFiles
+from .test_hierarchy_e2e import BLOCK, Engine, prompt, serve
+
+PB = 4096
+PASSWORD = "s3cret-pw"
+GRANTS = "+exists +get +getex +set +del +ping +command +cluster|slots"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def open_tier(url: str, namespace: str, *, payload_bytes: int = PB, **kw: Any) -> RedisTier:
+    tier = RedisTier(url, namespace=namespace, cluster=True, **kw)
+    await tier.open(entries.spec(payload_bytes))
+    return tier
+
+
+def keys_in_slot(tier: RedisTier, slot: int, n: int, tag: str) -> list[bytes]:
+    """``n`` fresh block hashes whose Redis keys fall in ``slot``."""
+    found: list[bytes] = []
+    for i in itertools.count():
+        key = hashlib.sha256(f"{tag}-{i}".encode()).digest()
+        if key_slot(tier.redis_key(key)) == slot:
+            found.append(key)
+            if len(found) == n:
+                return found
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------- shared cluster
+@pytest.mark.asyncio
+async def test_blocks_spread_over_every_master_and_read_back_in_one_call(
+    cluster: Cluster, namespace: str
+) -> None:
+    tier = await open_tier(cluster.url, namespace)
+    keys, data = entries.keys(48), entries.payloads(48, PB)
+    assert await tier.write(keys, data) == 48
+    owners = {cluster.owner(key_slot(tier.redis_key(k))).port for k in keys}
+    assert owners == {m.port for m in cluster.masters()}  # every master holds some of the blocks
+    assert await tier.lookup(keys) == 48
+    outs = entries.outs(48, PB)
+    assert await tier.read_into(keys, outs) == 48
+    assert [bytes(o) for o in outs] == [bytes(d) for d in data]
+    stats = tier.stats()
+    assert (stats.health, stats.errors, stats.timeouts, stats.corrupt, stats.dropped) == (
+        TierHealth.UP,
+        0,
+        0,
+        0,
+        0,
+    )
+    await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_split_blocks_and_corrupt_values_in_a_cluster(cluster: Cluster, namespace: str) -> None:
+    """Blocks larger than max_value_bytes are stored as parts spread over the nodes; a value damaged on its
+    node is a miss, counted and deleted with its siblings."""
+    payload = 3 * 4096
+    tier = await open_tier(cluster.url, namespace, payload_bytes=payload, max_value_bytes=4096)
+    assert (tier.stats().parts_per_block, tier.stats().max_value_bytes) == (4, 4096)
+    keys, data = entries.keys(6), entries.payloads(6, payload)
+    assert await tier.write(keys, data) == 6
+    outs = entries.outs(6, payload)
+    assert await tier.read_into(keys, outs) == 6
+    assert [bytes(o) for o in outs] == [bytes(d) for d in data]
+    part = tier.redis_keys(keys[2])[1]
+    owner = cluster.owner(key_slot(part)).admin()
+    owner.setrange(part, 7, b"\xff")
+    assert await tier.read_into(keys, entries.outs(6, payload)) == 2
+    assert tier.stats().corrupt == 1
+    assert sum(cluster.owner(key_slot(k)).admin().exists(k) for k in tier.redis_keys(keys[2])) == 0
+    assert await tier.lookup(keys) == 2
+    await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_live_reshard_costs_no_miss(cluster: Cluster, namespace: str) -> None:
+    """Slots holding our blocks move from one master to another while the tier works: after every MIGRATE
+    batch (slot MIGRATING: the source answers ASK for the moved keys) and after each reassignment (MOVED), a
+    full round of reads and writes -- writes into the migrating slot included -- sees every block."""
+    tier = await open_tier(cluster.url, namespace, timeout_s=5.0)
+    keys, data = entries.keys(64), entries.payloads(64, PB)
+    assert await tier.write(keys, data) == 64
+    source, target = cluster.masters()[:2]
+    slots = sorted({s for k in keys if cluster.owner(s := key_slot(tier.redis_key(k))) is source})[:3]
+    assert slots
+    expected = {k: bytes(d) for k, d in zip(keys, data, strict=True)}
+    loop = asyncio.get_running_loop()
+    rounds = 0
+
+    async def full_round(fresh: list[bytes]) -> None:
+        nonlocal rounds
+        rounds += 1
+        all_keys = list(expected)
+        outs = entries.outs(len(all_keys), PB)
+        assert await tier.read_into(all_keys, outs) == len(all_keys)
+        assert all(bytes(o) == expected[k] for k, o in zip(all_keys, outs, strict=True))
+        payloads = entries.payloads(len(fresh), PB, seed=rounds)
+        assert await tier.write(fresh, payloads) == len(fresh)
+        expected.update((k, bytes(p)) for k, p in zip(fresh, payloads, strict=True))
+
+    def reshard() -> None:
+        for slot in slots:
+            fresh = iter(keys_in_slot(tier, slot, 8, f"{namespace}-{slot}"))
+
+            def between_batches(moved: list[bytes], slot: int = slot, fresh: Iterator[bytes] = fresh) -> None:
+                with pytest.raises(AskError):  # the source redirects clients for the keys it gave away
+                    source.admin().get(moved[0])
+                asyncio.run_coroutine_threadsafe(full_round([next(fresh)]), loop).result(timeout=60)
+
+            assert cluster.migrate_slot(slot, source, target, batch=1, on_batch=between_batches) >= 1
+            asyncio.run_coroutine_threadsafe(full_round([next(fresh)]), loop).result(timeout=60)
+
+    await asyncio.to_thread(reshard)
+    assert all(cluster.owner(slot) is target for slot in slots)
+    assert rounds >= 2 * len(slots)
+    stats = tier.stats()
+    assert (stats.errors, stats.timeouts, stats.read_misses, stats.corrupt, stats.dropped) == (0, 0, 0, 0, 0)
+    assert stats.health == TierHealth.UP
+    await tier.aclose()
+
+
+# ---------------------------------------------------------------------------------------------- failover
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_master_killed_mid_workload_replica_takes_over(
+    make_cluster: Any, server_binary: Binary
+) -> None:
+    """Requests run through a real Offloader while a master is SIGKILLed: every request finishes with exact KV
+    (checked bit for bit), the failed round trips are counted, the tier goes down; once the replica has been
+    promoted (automatically, cluster-node-timeout 1 s) the next probe refreshes the slot map and every block
+    that had been replicated is served again. Nothing corrupt is ever loaded."""
+    cl: Cluster = await asyncio.to_thread(make_cluster, server_binary, node_timeout_ms=1000)
+    clock = FakeClock()
+    eng = Engine(num_blocks=256)
+    slot_bytes = eng.layout.slot_bytes
+    tier = RedisTier(
+        cl.url,
+        namespace="failover",
+        cluster=True,
+        timeout_s=0.5,
+        failures_to_down=2,
+        backoff_s=1.0,
+        clock=clock,
+    )
+    async with Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=8 * slot_bytes), tier]) as off:
+        wave1 = [prompt(i, 3 * BLOCK + 1) for i in range(8)]
+        for i, tokens in enumerate(wave1):
+            assert await serve(eng, off, f"w1-{i}", tokens) == 0
+        await off.flush()
+        assert tier.stats().stored_blocks == 24
+        await asyncio.to_thread(cl.wait_replicated)
+        victim = cl.masters()[0]
+        assert cl.dbsize(victim) > 0  # some of the blocks live on the master that dies
+        replica = cl.replica_of(victim)
+
+        finished = 0
+
+        async def serve_and_maybe_kill(i: int) -> int:
+            nonlocal finished
+            hit = await serve(eng, off, f"w2-{i}", prompt(100 + i, 3 * BLOCK + 2))
+            finished += 1
+            if finished == 2:
+                cl.kill(victim)
+            return hit
+
+        await asyncio.gather(*(serve_and_maybe_kill(i) for i in range(6)))
+        promoted = asyncio.ensure_future(asyncio.to_thread(cl.wait_promoted, replica))
+        for i in range(12):  # the outage: requests keep finishing (misses in the tier, exact KV)
+            await serve(eng, off, f"outage-{i}", [*wave1[i % 8], 7, 7])
+        await off.flush()
+        down = tier.stats()
+        assert down.health in (TierHealth.DOWN, TierHealth.DEGRADED)
+        assert down.errors + down.timeouts >= 1
+        assert down.corrupt == 0
+        await promoted
+
+        clock.now += 100  # the backoff interval passes: the next call probes, refreshing the slot map
+        hits = [await serve(eng, off, f"after-{i}", [*tokens, 5, 5]) for i, tokens in enumerate(wave1)]
+        assert hits == [3 * BLOCK] * 8  # every replicated block is served again, from the promoted replica
+        up = tier.stats()
+        assert up.health == TierHealth.UP
+        assert up.reconnects >= 1
+        assert up.corrupt == 0
+        assert up.read_blocks >= 24 - 8  # staged from the cluster (the CPU tier holds 8)
+        assert off.stats().requests_open == 0
+
+
+# ------------------------------------------------------------------------------------------- TLS and ACL
+@pytest.fixture(scope="session")
+def secure_cluster(
+    tmp_path_factory: pytest.TempPathFactory, server_binary: Binary, tls_files: TlsFiles
+) -> Iterator[Cluster]:
+    """A TLS-only cluster (client certificates required) whose users are `aiokv` (what the tier needs on
+    ``secure:*``) and `reader` (read-only)."""
+    users = [
+        f"aiokv on >{PASSWORD} resetkeys ~secure:* resetchannels -@all {GRANTS}",
+        f"reader on >{PASSWORD} resetkeys ~secure:* resetchannels -@all +exists +get +ping +command +cluster|slots",
+    ]
+    built = Cluster(
+        tmp_path_factory.mktemp(f"secure-{server_binary.kind}"),
+        server_binary,
+        security=Security(tls=tls_files, users=users),
+    )
+    try:
+        built.start()
+    except RuntimeError as exc:
+        if "TLS" in str(exc):
+            pytest.skip(f"{server_binary} is built without TLS support")
+        raise
+    try:
+        yield built
+    finally:
+        built.stop()
+
+
+@pytest.mark.asyncio
+async def test_tls_cluster_with_client_certificates_and_an_acl_user(
+    secure_cluster: Cluster, tls_files: TlsFiles
+) -> None:
+    assert secure_cluster.url.startswith("rediss://")
+    tier = await open_tier(
+        secure_cluster.url,
+        "secure",
+        username="aiokv",
+        password=PASSWORD,
+        ssl_options=tls_files.client_options(),
+    )
+    client = tier._client
+    assert isinstance(client, RedisCluster)
+    assert all(node.connection_class is SSLConnection for node in client.get_nodes())
+    keys, data = entries.keys(12), entries.payloads(12, PB)
+    assert await tier.write(keys, data) == 12
+    outs = entries.outs(12, PB)
+    assert await tier.read_into(keys, outs) == 12
+    assert [bytes(o) for o in outs] == [bytes(d) for d in data]
+    assert (
+        tier.stats().server_max_value_bytes is None
+    )  # the user may not run CONFIG GET: the default is assumed
+    assert PASSWORD not in repr(tier)
+    await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_refused_password_raises_at_open(secure_cluster: Cluster, tls_files: TlsFiles) -> None:
+    tier = RedisTier(
+        secure_cluster.url,
+        namespace="secure",
+        cluster=True,
+        username="aiokv",
+        password="wrong",
+        ssl_options=tls_files.client_options(),
+    )
+    with pytest.raises(InvalidArgumentError, match="password or username refused by redis tier 'rediss://"):
+        await tier.open(entries.spec(PB))
+    assert "closed" in repr(tier)
+
+
+@pytest.mark.asyncio
+async def test_user_without_write_permission_raises_at_open_naming_the_grants(
+    secure_cluster: Cluster, tls_files: TlsFiles
+) -> None:
+    tier = RedisTier(
+        secure_cluster.url,
+        namespace="secure",
+        cluster=True,
+        username="reader",
+        password=PASSWORD,
+        ssl_options=tls_files.client_options(),
+    )
+    with pytest.raises(
+        InvalidArgumentError, match=r"username 'reader' may not run .*grant it at least ~secure:\*"
+    ):
+        await tier.open(entries.spec(PB))
+
+
+@pytest.mark.asyncio
+async def test_untrusted_server_certificate_degrades_without_raising(secure_cluster: Cluster) -> None:
+    """A client that does not trust the server's CA cannot connect: like an unreachable server, the tier starts
+    down and every call is a miss (certificates can be fixed without restarting the engine)."""
+    tier = RedisTier(
+        secure_cluster.url,
+        namespace="secure",
+        cluster=True,
+        username="aiokv",
+        password=PASSWORD,
+        timeout_s=0.5,
+    )
+    tier_spec = entries.spec(PB)
+    await tier.open(tier_spec)
+    stats = tier.stats()
+    assert stats.health != TierHealth.UP
+    assert "certificate" in (stats.last_error or "").lower()
+    assert await tier.lookup(entries.keys(1)) == 0
+    await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_tls_standalone_server(make_server: Any, server_binary: Binary, tls_files: TlsFiles) -> None:
+    try:
+        server = make_server(server_binary, security=Security(tls=tls_files))
+    except RuntimeError as exc:
+        if "TLS" in str(exc):
+            pytest.skip(f"{server_binary} is built without TLS support")
+        raise
+    tier = RedisTier(server.url, namespace="tls", ssl_options=tls_files.client_options())
+    await tier.open(entries.spec(PB))
+    keys, data = entries.keys(3), entries.payloads(3, PB)
+    assert await tier.write(keys, data) == 3
+    outs = entries.outs(3, PB)
+    assert await tier.read_into(keys, outs) == 3
+    assert [bytes(o) for o in outs] == [bytes(d) for d in data]
+    await tier.aclose()
