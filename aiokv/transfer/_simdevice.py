@@ -237,7 +237,7 @@ class SimulatedDevice(DeviceBinding):
         self.delay_s = float(delay_s)
         self.jitter_s = float(jitter_s)
         self._closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a GC finalizer (_untrack) may run while it is held
         self._streams: list[SimStream] = []
         self._local = threading.local()
         self._pinned: dict[int, int] = {}  # address -> bytes

@@ -73,8 +73,22 @@ class _DeviceGate:
             self._holds.pop(0).set()
 
     def maybe_hold(self) -> None:
-        if self._rng.random() < 0.15:
+        # At most a few holds outstanding: each is an operation on the compute stream, and a driver that
+        # added one per scheduling point would enqueue them faster than the stream retires them.
+        if len(self._holds) < 4 and self._rng.random() < 0.15:
             self._holds.append(self._compute.hold())
+
+    async def bound_run_ahead(self, limit: int = 64) -> None:
+        """Like an engine whose host runs at most a few steps ahead of its device: when the compute stream has
+        more than ``limit`` operations queued, release everything and wait (off the loop) until it catches up.
+        Without it a request cycling through preemption could enqueue work faster than the stream retires it."""
+        if self._compute.pending <= limit:
+            return
+        self.open()
+        ev = self._sim.new_event(blocking=True)
+        self._sim.record(ev, self._compute)
+        await asyncio.to_thread(self._sim.synchronize, ev)
+        self.close()
 
     def open(self) -> None:
         for s in self.copy_streams:
@@ -196,10 +210,10 @@ async def _drive(
         s.pending = asyncio.ensure_future(_wait(aw))
 
     while active:
+        if dgate is not None:
+            await dgate.bound_run_ahead()
         if rng.random() < 0.3:
             g.allow(rng.randint(1, 3))
-        if dgate is not None:
-            dgate.maybe_hold()
         s = rng.choice(active)
         if s.pending is not None and not s.pending.done():
             if all(x.pending is not None and not x.pending.done() for x in active):
@@ -211,6 +225,8 @@ async def _drive(
             else:
                 await asyncio.sleep(0)  # a scheduling point: lets request tasks and callbacks run
             continue
+        if dgate is not None:
+            dgate.maybe_hold()  # only where the engine acts: never once per scheduling point
         req = s.req
         assert req is not None
         result = s.pending.result() if s.pending is not None else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -172,3 +173,26 @@ def test_close_runs_queued_work_and_refuses_more() -> None:
     with pytest.raises(SimulatedDeviceError, match="closed"):
         dev.launch(s, lambda: None)
     dev.close()  # idempotent
+
+
+
+def test_a_finalizer_running_under_the_device_lock_does_not_deadlock() -> None:
+    """Regression: device memory is untracked by a weakref finalizer, which the garbage collector may run on
+    a thread that holds the device's lock (it did, inside ``new_stream``): the lock must be re-entrant."""
+    sim = SimulatedDevice()
+    before = sim.allocated_bytes
+    buf: torch.Tensor | None = sim.alloc(4096)
+    assert sim.allocated_bytes == before + 4096
+
+    def collect_under_the_lock() -> None:
+        nonlocal buf
+        with sim._lock:
+            buf = None
+            gc.collect()  # the finalizer runs here, on this thread
+
+    t = threading.Thread(target=collect_under_the_lock, daemon=True)
+    t.start()
+    t.join(timeout=30)  # a hang guard: with a plain lock the thread never ends
+    assert not t.is_alive()  # (a deadlocked device is left unclosed: closing it would hang too)
+    assert sim.allocated_bytes == before
+    sim.close()
