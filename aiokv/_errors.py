@@ -22,6 +22,7 @@ __all__ = [
     "RequestStateError",
     "TierLockedError",
     "TransferError",
+    "WrongThreadError",
 ]
 
 
@@ -63,6 +64,12 @@ class ClosedError(AiokvError, RuntimeError):
 
 class TransferError(AiokvError, RuntimeError):
     """A copy between the engine and a tier failed; the affected entries were dropped."""
+
+
+class WrongThreadError(AiokvError, RuntimeError):
+    """An offloader or request method was called from a thread other than the one running the offloader's
+    event loop. aiokv's state is mutated on that thread only; hand calls over with
+    ``loop.call_soon_threadsafe`` (or ``asyncio.run_coroutine_threadsafe``)."""
 
 
 class TierLockedError(AiokvError, RuntimeError):

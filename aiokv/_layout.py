@@ -13,7 +13,7 @@ import math
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -22,7 +22,7 @@ import torch
 from ._errors import BlockRangeError, InvalidArgumentError, InvalidLayoutError, InvalidTypeError
 from ._hashing import make_root
 
-__all__ = ["KVLayout", "TensorSpec"]
+__all__ = ["AFTER_BLOCK_DIM", "KVLayout", "TensorSpec"]
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -57,6 +57,170 @@ def _flatten_tensors(tensors: object) -> list[torch.Tensor]:
     return out
 
 
+def _check_params(block_size: object, block_dim: object, token_dim: object, model_id: object) -> int | None:
+    """Validate the scalar arguments; return ``token_dim`` resolved to an index (or ``None``)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+    if isinstance(block_dim, bool) or not isinstance(block_dim, int) or block_dim < 0:
+        raise InvalidArgumentError(f"block_dim must be a non-negative int, got {block_dim!r}")
+    if model_id is not None and not isinstance(model_id, str):
+        raise InvalidTypeError(f"model_id must be a str or None, got {type(model_id).__name__}")
+    if token_dim is None:
+        return None
+    if token_dim == AFTER_BLOCK_DIM:
+        return block_dim + 1
+    if isinstance(token_dim, bool) or not isinstance(token_dim, int):
+        raise InvalidTypeError(
+            f"token_dim must be an int, None or {AFTER_BLOCK_DIM!r}, got {type(token_dim).__name__}"
+        )
+    if token_dim < 0:
+        raise InvalidArgumentError(f"token_dim must be a non-negative int, got {token_dim}")
+    if token_dim == block_dim:
+        raise InvalidArgumentError(f"token_dim must differ from block_dim, got {token_dim} for both")
+    return token_dim
+
+
+def _check_devices(flat: list[torch.Tensor]) -> torch.device:
+    if not flat:
+        raise InvalidLayoutError("tensors must contain at least one tensor")
+    device = flat[0].device
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidLayoutError(f"tensors must be on a cpu or cuda device, got {device}")
+    for i, t in enumerate(flat):
+        if t.device != device:
+            raise InvalidLayoutError(
+                f"tensors must share one device: tensors[{i}] is on {t.device}, tensors[0] on {device}"
+            )
+    return device
+
+
+def _tensor_specs(flat: list[torch.Tensor], block_dim: int) -> tuple[int, list[TensorSpec]]:
+    """Check each tensor's structure against ``block_dim``; return the number of blocks and the slot packing."""
+    num_blocks = -1
+    specs: list[TensorSpec] = []
+    offset = 0
+    for i, t in enumerate(flat):
+        if t.dim() <= block_dim:
+            raise InvalidLayoutError(
+                f"tensors[{i}] has {t.dim()} dims; block_dim={block_dim} needs at least {block_dim + 1}"
+            )
+        if t.is_sparse or t.is_quantized or t.dtype == torch.bool:
+            raise InvalidLayoutError(f"tensors[{i}] must be a dense numeric tensor, got {t.dtype}")
+        n = int(t.shape[block_dim])
+        if num_blocks < 0:
+            num_blocks = n
+        elif n != num_blocks:
+            raise InvalidLayoutError(
+                f"tensors must have the same number of blocks along block_dim={block_dim}: "
+                f"tensors[{i}] has {n}, tensors[0] has {num_blocks}"
+            )
+        if any(size == 0 for d, size in enumerate(t.shape) if d != block_dim):
+            raise InvalidLayoutError(
+                f"tensors[{i}] must have no dimension of size 0, got shape {list(t.shape)}: "
+                "a block must hold at least one byte of every tensor"
+            )
+        spec = _tensor_spec(i, t, block_dim, offset)
+        specs.append(spec)
+        offset += spec.outer * spec.inner_bytes
+    if num_blocks <= 0:
+        raise InvalidLayoutError("tensors must have at least one block")
+    if offset == 0:
+        raise InvalidLayoutError("a block must hold at least one byte")
+    for i, t in enumerate(flat):
+        _check_no_overlap(i, t)
+    return num_blocks, specs
+
+
+def _tensor_spec(i: int, t: torch.Tensor, block_dim: int, offset: int) -> TensorSpec:
+    esize = t.element_size()
+    shape = tuple(int(s) for s in t.shape)
+    strides = tuple(int(s) for s in t.stride())
+    # The part of a block after block_dim must be one contiguous run of bytes.
+    expect = 1
+    for d in range(t.dim() - 1, block_dim, -1):
+        if shape[d] != 1 and strides[d] != expect:
+            raise InvalidLayoutError(
+                f"tensors[{i}] must be contiguous in the dims after block_dim={block_dim} "
+                f"(shape {list(shape)}, stride {list(strides)})"
+            )
+        expect *= shape[d]
+    inner_elems = math.prod(shape[block_dim + 1 :])
+    inner_bytes = inner_elems * esize
+    if shape[block_dim] > 1 and strides[block_dim] * esize < inner_bytes:
+        raise InvalidLayoutError(
+            f"tensors[{i}] blocks must not overlap: stride {strides[block_dim]} along block_dim={block_dim} "
+            f"is smaller than a block's {inner_elems} elements (an expanded view?)"
+        )
+    return TensorSpec(
+        outer=math.prod(shape[:block_dim]),
+        inner_bytes=inner_bytes,
+        slot_offset=offset,
+        block_stride=strides[block_dim] * esize,
+        outer_strides=tuple(s * esize for s in strides[:block_dim]),
+        outer_shape=shape[:block_dim],
+    )
+
+
+def _check_no_overlap(i: int, t: torch.Tensor) -> None:
+    """Refuse a tensor whose elements share memory (an expanded or otherwise self-overlapping view): a load
+    would write one byte for several positions. Sufficient test: sorted by stride, each dimension steps over
+    everything the smaller ones span."""
+    dims = sorted((int(st), int(sz)) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1)
+    span = 1
+    for stride, size in dims:
+        if stride < span:
+            raise InvalidLayoutError(
+                f"tensors[{i}] must not have overlapping elements (shape {list(t.shape)}, stride "
+                f"{list(t.stride())}): an expanded view?"
+            )
+        span = stride * size
+
+
+def _check_no_aliasing(flat: list[torch.Tensor]) -> None:
+    """Refuse the same memory passed twice (e.g. ``[k0, k0]`` instead of ``[k0, v0]``)."""
+    seen: dict[int, int] = {}
+    for i, t in enumerate(flat):
+        first = seen.setdefault(t.data_ptr(), i)
+        if first != i:
+            raise InvalidLayoutError(
+                f"tensors[{i}] must not share memory with tensors[{first}] (the same tensor passed twice?)"
+            )
+
+
+def _check_tokens(flat: list[torch.Tensor], block_size: int, token_dim: int) -> None:
+    for i, t in enumerate(flat):
+        if t.dim() <= token_dim:
+            raise InvalidLayoutError(
+                f"tensors[{i}] has {t.dim()} dims; token_dim={token_dim} needs at least {token_dim + 1} "
+                "(pass token_dim=None for a layout without a token dimension)"
+            )
+        tokens = int(t.shape[token_dim])
+        if tokens != block_size:
+            raise InvalidLayoutError(
+                f"block_size must equal the size of the token dimension (token_dim={token_dim}) of every "
+                f"tensor, got block_size={block_size} and tensors[{i}] of shape {list(t.shape)} holding "
+                f"{tokens} tokens per block (pass the right token_dim, or token_dim=None to skip this check)"
+            )
+
+
+def _fingerprint(flat: list[torch.Tensor], block_size: int, block_dim: int, model_id: str | None) -> bytes:
+    """Block size, block dim, and each tensor's dtype and per-block shape (never the number of blocks)."""
+    fp = hashlib.sha256(b"aiokv/layout/v1")
+    fp.update(f"block_size={block_size};block_dim={block_dim};n={len(flat)};".encode())
+    for t in flat:
+        shape = tuple(int(s) for s in t.shape)
+        per_block_shape = shape[:block_dim] + shape[block_dim + 1 :]
+        fp.update(f"[{t.dtype}:{list(per_block_shape)}]".encode())
+    if model_id is not None:
+        fp.update(b"model=" + model_id.encode())
+    return fp.digest()
+
+
+AFTER_BLOCK_DIM: Final = "after_block_dim"
+"""``KVLayout(token_dim=...)`` default: the tokens of a block are indexed by the dimension right after
+``block_dim`` (vLLM's ``(num_blocks, block_size, heads, head_dim)``)."""
+
+
 class KVLayout:
     """The engine's paged KV cache: one or more tensors per layer sharing a block dimension.
 
@@ -64,9 +228,20 @@ class KVLayout:
     >>> layout = KVLayout([k, v], block_size=16)          # vLLM layout: (num_blocks, block_size, heads, dim)
 
     ``block_size`` is the number of tokens per block; ``block_dim`` the dimension indexing blocks (0 for vLLM's
-    per-layer K and V tensors, 1 for a stacked ``(2, num_blocks, ...)`` tensor). ``model_id`` is mixed into the
-    hash root so caches of different models never match; under tensor parallelism include the rank in it
-    (ranks hold different heads with identical shapes).
+    per-layer K and V tensors, 1 for a stacked ``(2, num_blocks, ...)`` tensor). ``token_dim`` is the dimension
+    indexing a block's tokens: every tensor must have exactly ``block_size`` entries along it, so a
+    ``block_size`` that does not match the tensors (which would store and restore the wrong tokens' KV) is
+    refused. It defaults to the dimension right after ``block_dim`` (``"after_block_dim"``, vLLM's layouts);
+    give its index for other layouts (e.g. 2 for ``(num_blocks, heads, block_size, dim)``), or ``None`` for a
+    layout without a token dimension of its own (tokens fused with other dimensions): the check is then
+    skipped and ``block_size`` is taken on trust. ``model_id`` is mixed into the hash root so caches of
+    different models never match; under tensor parallelism include the rank in it (ranks hold different heads
+    with identical shapes).
+
+    Also refused: tensors on different devices or with different numbers of blocks, a block that is not one
+    contiguous run of bytes per segment, tensors whose elements overlap (an expanded view), the same memory
+    passed twice (e.g. ``[k0, k0]`` instead of ``[k0, v0]``: V would never be offloaded), and dimensions of
+    size 0.
     """
 
     def __init__(
@@ -75,93 +250,26 @@ class KVLayout:
         block_size: int = 16,
         block_dim: int = 0,
         *,
+        token_dim: int | Literal["after_block_dim"] | None = AFTER_BLOCK_DIM,
         model_id: str | None = None,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
-        if isinstance(block_dim, bool) or not isinstance(block_dim, int) or block_dim < 0:
-            raise InvalidArgumentError(f"block_dim must be a non-negative int, got {block_dim!r}")
-        if model_id is not None and not isinstance(model_id, str):
-            raise InvalidTypeError(f"model_id must be a str or None, got {type(model_id).__name__}")
+        token_dim = _check_params(block_size, block_dim, token_dim, model_id)
         flat = _flatten_tensors(tensors)
-        if not flat:
-            raise InvalidLayoutError("tensors must contain at least one tensor")
-        device = flat[0].device
-        if device.type not in ("cpu", "cuda"):
-            raise InvalidLayoutError(f"tensors must be on a cpu or cuda device, got {device}")
-        num_blocks = -1
-        specs: list[TensorSpec] = []
-        offset = 0
-        fp = hashlib.sha256(b"aiokv/layout/v1")
-        fp.update(f"block_size={block_size};block_dim={block_dim};n={len(flat)};".encode())
-        for i, t in enumerate(flat):
-            if t.device != device:
-                raise InvalidLayoutError(
-                    f"tensors must share one device: tensors[{i}] is on {t.device}, tensors[0] on {device}"
-                )
-            if t.dim() <= block_dim:
-                raise InvalidLayoutError(
-                    f"tensors[{i}] has {t.dim()} dims; block_dim={block_dim} needs at least {block_dim + 1}"
-                )
-            if t.is_sparse or t.is_quantized or t.dtype == torch.bool:
-                raise InvalidLayoutError(f"tensors[{i}] must be a dense numeric tensor, got {t.dtype}")
-            n = int(t.shape[block_dim])
-            if num_blocks < 0:
-                num_blocks = n
-            elif n != num_blocks:
-                raise InvalidLayoutError(
-                    f"tensors must have the same number of blocks along block_dim={block_dim}: "
-                    f"tensors[{i}] has {n}, tensors[0] has {num_blocks}"
-                )
-            esize = t.element_size()
-            shape = tuple(int(s) for s in t.shape)
-            strides = tuple(int(s) for s in t.stride())
-            # The part of a block after block_dim must be one contiguous run of bytes.
-            expect = 1
-            for d in range(t.dim() - 1, block_dim, -1):
-                if shape[d] != 1 and strides[d] != expect:
-                    raise InvalidLayoutError(
-                        f"tensors[{i}] must be contiguous in the dims after block_dim={block_dim} "
-                        f"(shape {list(shape)}, stride {list(strides)})"
-                    )
-                expect *= shape[d]
-            inner_elems = math.prod(shape[block_dim + 1 :])
-            inner_bytes = inner_elems * esize
-            if shape[block_dim] > 1 and strides[block_dim] * esize < inner_bytes:
-                raise InvalidLayoutError(
-                    f"tensors[{i}] blocks must not overlap: stride {strides[block_dim]} along block_dim={block_dim} "
-                    f"is smaller than a block's {inner_elems} elements (an expanded view?)"
-                )
-            outer_shape = shape[:block_dim]
-            outer = math.prod(outer_shape)
-            specs.append(
-                TensorSpec(
-                    outer=outer,
-                    inner_bytes=inner_bytes,
-                    slot_offset=offset,
-                    block_stride=strides[block_dim] * esize,
-                    outer_strides=tuple(s * esize for s in strides[:block_dim]),
-                    outer_shape=outer_shape,
-                )
-            )
-            offset += outer * inner_bytes
-            per_block_shape = shape[:block_dim] + shape[block_dim + 1 :]
-            fp.update(f"[{t.dtype}:{list(per_block_shape)}]".encode())
-        if num_blocks <= 0:
-            raise InvalidLayoutError("tensors must have at least one block")
-        if offset == 0:
-            raise InvalidLayoutError("a block must hold at least one byte")
+        device = _check_devices(flat)
+        num_blocks, specs = _tensor_specs(flat, block_dim)
+        _check_no_aliasing(flat)
+        if token_dim is not None:
+            _check_tokens(flat, block_size, token_dim)
         self.tensors: tuple[torch.Tensor, ...] = tuple(flat)
         self.block_size = block_size
         self.block_dim = block_dim
+        self.token_dim = token_dim
         self.num_blocks = num_blocks
         self.device = device
         self.model_id = model_id
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
-        self.slot_bytes = offset
-        if model_id is not None:
-            fp.update(b"model=" + model_id.encode())
-        self.fingerprint = fp.digest()
+        self.slot_bytes = sum(spec.outer * spec.inner_bytes for spec in specs)
+        self.fingerprint = _fingerprint(flat, block_size, block_dim, model_id)
         self.root = make_root(self.fingerprint, model_id)
         self._seg_cache: tuple[Int64Array, Int64Array, Int64Array] | None = None
 

@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-from ._errors import ClosedError, DuplicateRequestError, InvalidArgumentError, InvalidTypeError
+from ._errors import (
+    ClosedError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    WrongThreadError,
+)
 from ._hashing import _canon, check_token_ids
 from ._layout import KVLayout
+from ._log import Throttled, get_logger
 from ._request import Request
 from ._stats import Counters, OffloaderStats
 from .tiers._base import BackingTier, TierSpec
@@ -27,6 +36,8 @@ from .transfer._executor import DEFAULT_STAGING_BYTES, TransferExecutor
 from .transfer._future import TransferFuture
 
 __all__ = ["Offloader"]
+
+_log = get_logger("offloader")
 
 
 class Offloader:
@@ -39,7 +50,9 @@ class Offloader:
     Parameters:
         layout: the engine's paged KV tensors.
         tiers: the tier hierarchy, fastest first.
-        eviction: the CPU tier's eviction policy name (``"lru"``, ``"arc"``, ...) or an EvictionPolicy.
+        eviction: the CPU tier's eviction policy name (``"lru"``, ``"arc"``, ...) or an EvictionPolicy; set it
+            here or on the :class:`~aiokv.CPUTier`, not both (two different policies are refused). Default:
+            the tier's, else ``"lru"``. ``stats().eviction`` names the active one.
         write_through_max_bytes: bound on bytes queued or in flight towards each lower tier; writes beyond
             it are dropped and counted (the decode path never waits on a slow tier).
         close_timeout: seconds ``aclose()`` waits for queued write-through before dropping it.
@@ -55,6 +68,11 @@ class Offloader:
         staging_bytes: device memory for staging copies, both directions together, allocated once at start.
             Larger transfers are cut into chunks; never more is allocated.
         copy_threads: CPU backend: threads one large copy is split over (default: the usable cores, at most 4).
+
+    Threads: an offloader and its requests belong to the thread running the event loop it was started on;
+    every method of theirs raises :class:`~aiokv.WrongThreadError` when called from another thread (hand calls
+    over with ``loop.call_soon_threadsafe``). Failures of copies and lower tiers are misses, counted in
+    :meth:`stats` and logged to the ``aiokv.offloader`` logger, never exceptions raised into an engine's step.
     """
 
     def __init__(
@@ -62,7 +80,7 @@ class Offloader:
         layout: KVLayout,
         tiers: Sequence[CPUTier | BackingTier] | None = None,
         *,
-        eviction: str | EvictionPolicy = "lru",
+        eviction: str | EvictionPolicy | None = None,
         write_through_max_bytes: int = 256 << 20,
         close_timeout: float = 30.0,
         store_partial_last_block: bool = False,
@@ -115,6 +133,12 @@ class Offloader:
         self._executor: TransferExecutor | None = None
         self._writers: list[_WriteThrough] = []
         self._state = "new"  # new -> running -> closing -> closed
+        self._thread: int | None = None  # the loop's thread, recorded at start
+        self._closer: asyncio.Task[None] | None = None
+        self._closed_tiers: set[int] = set()
+        self._io: set[asyncio.Task[Any]] = set()  # lower-tier reads into CPU slots still running
+        self._log_copy = Throttled(_log, logging.WARNING, "failed copies")
+        self._log_tier = Throttled(_log, logging.WARNING, "failed lower-tier reads")
         # Bound once: completion callbacks are per copy, and the control path avoids allocating per copy.
         self._store_done_cb = self._store_done
         self._load_done_cb = self._load_done
@@ -133,6 +157,7 @@ class Offloader:
         if self._state != "new":
             raise ClosedError(f"offloader cannot be started twice (it is {self._state})")
         self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
         self._executor = TransferExecutor(
             self.layout,
             self.cpu.buffer,
@@ -164,35 +189,95 @@ class Offloader:
     async def aclose(self) -> None:
         """Abort open requests, wait for their copies, flush write-through (bounded), close tiers.
 
-        Idempotent. Nothing aiokv started outlives it.
+        Idempotent and complete: the close runs in a task of its own, which a cancelled ``aclose()`` leaves
+        running; calling ``aclose()`` again waits for it. If that task is cancelled itself (a loop shutting
+        down), it finishes as a hard close: write-through still queued is dropped at once and requests' tasks
+        are cancelled, but copies in flight are still waited for (they cannot be recalled) and every thread is
+        stopped. Nothing aiokv started outlives it; the host buffer is released last.
         """
-        if self._state in ("closing", "closed"):
+        if self._state == "closed":
             return
         if self._state == "new":
             self._state = "closed"
             self.cpu.release()
             return
+        self._check_thread("aclose")
         self._state = "closing"
-        try:
-            pending = [req.abort() for req in list(self._requests.values())]
-            for p in pending:
-                with contextlib.suppress(Exception):
-                    await p
-            for w in self._writers:
-                await w.aclose(self._close_timeout)
-            if self._executor is not None:
-                await self._executor.aclose()
-            for tier in self.lower:
-                with contextlib.suppress(Exception):
-                    await tier.aclose()
-        finally:
-            self._state = "closed"
-            self.cpu.release()
+        closer = self._closer
+        if closer is None or closer.done():  # first call, or a closer that failed: start (again)
+            closer = self._closer = self.loop.create_task(self._close(), name="aiokv-offloader-close")
+        await asyncio.shield(closer)
+
+    async def _close(self) -> None:
+        steps: list[Callable[[bool], Awaitable[None]]] = [
+            self._close_requests,
+            self._close_io,
+            self._close_writers,
+            self._close_executor,
+            self._close_tiers,
+        ]
+        cancelled = False
+        for step in steps:
+            while True:
+                try:
+                    await step(cancelled)
+                    break
+                except asyncio.CancelledError:
+                    cancelled = True  # every step is idempotent: redo this one, hard
+        self._state = "closed"
+        self.cpu.release()
+        self._log_copy.flush()
+        self._log_tier.flush()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def _close_requests(self, hard: bool) -> None:
+        reqs = list(self._requests.values())
+        if hard:
+            for req in reqs:
+                if req._task is not None:
+                    req._task.cancel()  # a request ends as aborted once its copies are done
+        pending = [req._abort_future() for req in reqs]
+        for p in pending:
+            with contextlib.suppress(Exception):
+                await p
+
+    async def _close_io(self, hard: bool) -> None:
+        if not self._io:
+            return
+        if hard:
+            for task in self._io:
+                task.cancel()
+        await asyncio.wait(list(self._io))
+
+    async def _close_writers(self, hard: bool) -> None:
+        for w in self._writers:
+            await w.aclose(0.0 if hard else self._close_timeout)
+
+    async def _close_executor(self, hard: bool) -> None:
+        if self._executor is not None:
+            await self._executor.aclose()
+
+    async def _close_tiers(self, hard: bool) -> None:
+        for i, tier in enumerate(self.lower):
+            if i in self._closed_tiers:
+                continue
+            try:
+                await tier.aclose()
+            except Exception as exc:
+                _log.warning("closing tier %r failed: %r", tier.name, exc)
+            self._closed_tiers.add(i)
 
     async def flush(self) -> None:
         """Wait until every block committed so far has been written through to the lower tiers (or dropped)."""
+        self._check_thread("flush")
         for w in self._writers:
             await w.wait_idle()
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`aclose`: requests may be opened."""
+        return self._state == "running"
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -231,6 +316,17 @@ class Offloader:
         """The device binding of the data path (CUDA or simulated), ``None`` on the CPU backend."""
         return self._device
 
+    def _check_thread(self, what: str) -> None:
+        if self._thread is not None and threading.get_ident() != self._thread:
+            raise self._wrong_thread(what)
+
+    def _wrong_thread(self, what: str) -> WrongThreadError:
+        return WrongThreadError(
+            f"{what}() must be called on the thread running the offloader's event loop (thread "
+            f"{self._thread}), got thread {threading.get_ident()}: hand the call over with "
+            "loop.call_soon_threadsafe"
+        )
+
     def _mark(self) -> Any:
         """The compute stream's current point, for copies to wait on (``None`` without a device)."""
         if self._device is None:
@@ -248,6 +344,7 @@ class Offloader:
     ) -> Request:
         """Open a request and start its state-machine task. ``salt`` (e.g. a tenant id) makes its block
         hashes disjoint from other salts'; ``extra_keys`` (LoRA id, multimodal hashes, ...) likewise."""
+        self._check_thread("open")
         if self._state != "running":
             raise ClosedError(
                 "offloader is not started; use 'async with Offloader(...)'"
@@ -322,10 +419,25 @@ class Offloader:
         return self._submit_store([key], [slot], [block_id], mark)
 
     def _submit_store(self, keys: list[bytes], slots: list[int], ids: list[int], mark: Any) -> TransferFuture:
-        tf = self.executor._submit("store", ids, slots, mark)
+        try:
+            tf = self.executor._submit("store", ids, slots, mark)
+        except BaseException:
+            # Nothing was queued: the reservations must not stay pending (a later store of the same blocks
+            # would be taken for a duplicate and never happen).
+            for key in keys:
+                self._index.discard(key)
+            raise
         tf.context = keys
         tf.add_done_callback(self._store_done_cb)
         return tf
+
+    def _store_not_submitted(self, request_id: str, exc: BaseException) -> None:
+        """A request's store could not be submitted (its reservations are already released)."""
+        self._counters.store_errors += 1
+        self._log_copy.event("store for request %r could not be submitted, dropped: %r", request_id, exc)
+        self.loop.call_exception_handler(
+            {"message": f"aiokv: store for request {request_id!r} failed", "exception": exc}
+        )
 
     def _store_done(self, tf: TransferFuture) -> None:
         keys: list[bytes] = tf.context
@@ -342,6 +454,7 @@ class Offloader:
             for key in keys:
                 index.discard(key)
             c.store_errors += len(keys)
+            self._log_copy.event("store of %d blocks failed, dropped: %s", len(keys), tf.exception())
 
     def _load_blocks(
         self, keys: list[bytes], slots: list[int], block_ids: list[int], mark: Any = None
@@ -360,24 +473,68 @@ class Offloader:
             c.bytes_loaded += len(keys) * self.layout.slot_bytes
         else:
             c.load_errors += len(keys)
+            self._log_copy.event(
+                "load of %d blocks failed, restored nothing (a miss): %s", len(keys), tf.exception()
+            )
+
+    def _load_not_submitted(self, request_id: str, num_blocks: int, exc: BaseException) -> None:
+        self._counters.load_errors += num_blocks
+        self._log_copy.event(
+            "load of %d blocks for request %r could not be submitted, restored nothing (a miss): %r",
+            num_blocks,
+            request_id,
+            exc,
+        )
+
+    def _load_poisoned(self, request_id: str, num_computed_tokens: int) -> None:
+        _log.warning(
+            "request %r: a load failed after the engine computed over it (%d tokens); nothing the request "
+            "computes is stored until it is preempted",
+            request_id,
+            num_computed_tokens,
+        )
+
+    def _pin_ready(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin the leading READY ``keys`` of the CPU tier; their slots."""
+        return self._index.pin_prefix(keys)
 
     async def _lookup_and_pin(self, keys: list[bytes]) -> tuple[list[bytes], list[int]]:
-        """Pin the longest cached prefix of ``keys``, staging blocks from lower tiers into the CPU tier."""
+        """Pin the longest prefix of ``keys`` available across all tiers; return its keys and CPU slots.
+
+        Blocks in the CPU tier are pinned where they are. Each run of blocks missing from it is staged from the
+        lower tiers (fastest first) into fresh CPU slots, and the walk continues through the CPU blocks after
+        the run (pinned before staging, so eviction cannot take them meanwhile). The prefix ends at a block no
+        tier holds, one a tier fails to read or finds corrupt, or one still pending in the CPU tier. Cancelled,
+        it releases every pin it took.
+        """
         index = self._index
         slots = index.pin_prefix(keys)
         pinned = keys[: len(slots)]
-        if len(pinned) < len(keys) and self.lower:
-            for pos, tier in enumerate(self.lower):
-                if len(pinned) == len(keys):
-                    break
-                got_keys, got_slots = await self._stage(tier, keys, len(pinned))
+        ahead: list[bytes] = []
+        try:
+            pos = len(pinned)
+            while pos < len(keys) and self.lower:
+                end = pos
+                while end < len(keys) and index.state(keys[end]) is None:
+                    end += 1
+                if end == pos:
+                    break  # keys[pos] is pending in the CPU tier (being stored or staged)
+                ahead_slots = index.pin_prefix(keys[end:])
+                ahead = keys[end : end + len(ahead_slots)]
+                got_keys, got_slots = await self._stage_run(keys, pos, end)
                 pinned.extend(got_keys)
                 slots.extend(got_slots)
-                # Promote: blocks found in a slower tier are also written to the faster lower tiers (e.g. a
-                # Redis hit lands on the local disk too), through the same bounded write-through.
-                if got_keys and self._state == "running":
-                    for w in self._writers[:pos]:
-                        w.offer(got_keys)
+                if len(got_keys) < end - pos:
+                    break
+                pinned.extend(ahead)
+                slots.extend(ahead_slots)
+                ahead = []
+                pos = end + len(ahead_slots)
+        except BaseException:
+            index.unpin(pinned)
+            raise
+        finally:
+            index.unpin(ahead)
         c = self._counters
         c.lookups += 1
         c.hits += len(pinned)
@@ -385,15 +542,46 @@ class Offloader:
         c.hit_tokens += len(pinned) * self.block_size
         return pinned, slots
 
-    async def _stage(self, tier: BackingTier, keys: list[bytes], start: int) -> tuple[list[bytes], list[int]]:
-        """Copy the run of ``keys[start:]`` held by ``tier`` into fresh CPU slots; pin and return them."""
+    async def _stage_run(self, keys: list[bytes], start: int, end: int) -> tuple[list[bytes], list[int]]:
+        """Stage ``keys[start:end]`` (all missing from the CPU tier) from the lower tiers, fastest first; return
+        the pinned prefix that arrived."""
+        got_keys: list[bytes] = []
+        got_slots: list[int] = []
+        pos = start
+        try:
+            for ti, tier in enumerate(self.lower):
+                if pos == end:
+                    break
+                k, s = await self._stage(tier, keys, pos, end)
+                if not k:
+                    continue
+                got_keys.extend(k)
+                got_slots.extend(s)
+                pos += len(k)
+                # Promote: blocks found in a slower tier are also written to the faster lower tiers (e.g. a
+                # Redis hit lands on the local disk too), through the same bounded write-through.
+                if self._state == "running":
+                    for w in self._writers[:ti]:
+                        w.offer(k)
+        except BaseException:
+            self._index.unpin(got_keys)
+            raise
+        return got_keys, got_slots
+
+    async def _stage(
+        self, tier: BackingTier, keys: list[bytes], start: int, end: int
+    ) -> tuple[list[bytes], list[int]]:
+        """Copy the run of ``keys[start:end]`` held by ``tier`` into fresh CPU slots; pin and return the
+        verified prefix. A tier that fails (or raises) yields a miss from the failing block on."""
         c = self._counters
-        rest = keys[start:]
+        rest = keys[start:end]
         try:
             n = await tier.lookup(rest)
-        except Exception:
+        except Exception as exc:
             c.staging_misses += 1
+            self._log_tier.event("lookup in tier %r failed, a miss: %r", tier.name, exc)
             return [], []
+        n = min(n, len(rest))
         if n <= 0:
             return [], []
         index = self._index
@@ -408,10 +596,7 @@ class Offloader:
             slots.append(slot)
         if not want:
             return [], []
-        try:
-            got = await tier.read_into(want, [self.cpu.slot_view(s) for s in slots])
-        except Exception:
-            got = 0
+        got = await self._read_into(tier, want, slots)
         got = max(0, min(got, len(want)))
         for key in want[got:]:
             index.discard(key)
@@ -421,6 +606,33 @@ class Offloader:
         c.staged_blocks += got
         c.staging_misses += len(want) - got
         return want[:got], slots[:got]
+
+    async def _read_into(self, tier: BackingTier, keys: list[bytes], slots: list[int]) -> int:
+        """``tier.read_into`` the reserved (pending) ``slots``. If the caller is cancelled, the read is
+        cancelled too, and the slots are released only once the read has really ended (a tier's I/O thread
+        may still be writing them)."""
+        views = [self.cpu.slot_view(s) for s in slots]
+        task = self.loop.create_task(tier.read_into(keys, views), name=f"aiokv-stage-{tier.name}")
+        self._io.add(task)
+        task.add_done_callback(self._io.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():  # the caller was cancelled: abandon the read, keep its slots until it ends
+                task.cancel()
+                task.add_done_callback(lambda t: self._abandon_read(t, keys))
+                raise
+            exc: BaseException = asyncio.CancelledError()
+        except Exception as err:
+            exc = err
+        self._log_tier.event("reading %d blocks from tier %r failed, a miss: %r", len(keys), tier.name, exc)
+        return 0
+
+    def _abandon_read(self, task: asyncio.Task[Any], keys: list[bytes]) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved: an abandoned read's failure is not news
+        for key in keys:
+            self._index.discard(key)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> OffloaderStats:
@@ -460,6 +672,8 @@ class Offloader:
             requests_finished=c.requests_finished,
             backend=ex.backend if ex else ("cuda" if self.layout.is_cuda else "cpu"),
             tiers=tuple(tiers),
+            eviction=cpu.eviction,
+            stores_invalidated=c.stores_invalidated,
         )
 
     def __repr__(self) -> str:

@@ -9,7 +9,11 @@ The guarantee engines rely on: ``finish()``, ``preempt()`` and ``abort()`` resol
 reads or writes this request's engine blocks has completed. Copies are represented by
 :class:`~aiokv.TransferFuture` objects that exist only once the copy is on its stream, and the task awaits all
 of them, so an engine that returns blocks to its free pool when these calls resolve cannot reuse a block
-under a copy.
+under a copy. That holds even when the request's task is cancelled (an application shutting down): whatever
+was queued then resolves once the copies in flight are done.
+
+A failed copy or lower-tier read is a miss, never data: ``load()`` resolves to the tokens it really restored
+(0 when its copy failed), and KV computed over a failed load is never stored.
 """
 
 from __future__ import annotations
@@ -17,18 +21,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import threading
+import warnings
 from collections import deque
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import InvalidArgumentError, InvalidTypeError, RequestStateError, TransferError
+from ._errors import ClosedError, InvalidArgumentError, InvalidTypeError, RequestStateError, TransferError
 from ._hashing import block_hashes, chain_seed, check_token_ids, partial_block_hash
 from .transfer._future import TransferFuture, resolve
 
 if TYPE_CHECKING:
-    from ._offloader import Offloader
+    from ._host import RequestHost
 
 __all__ = ["LoadCompletion", "Request", "RequestHandle", "RequestState"]
+
+_get_ident = threading.get_ident
 
 
 class RequestState(enum.Enum):
@@ -43,6 +51,7 @@ class RequestState(enum.Enum):
 
 _EMPTY: list[int] = []
 _ENDED = (RequestState.FINISHING, RequestState.FINISHED, RequestState.ABORTED)
+_ADMITTING = (RequestState.WAITING, RequestState.PREEMPTED)
 
 
 class _Ev(enum.Enum):
@@ -70,18 +79,49 @@ class _Completion:
         return self._fut.done()
 
 
+class _ReleaseCompletion(_Completion):
+    """What ``finish()``, ``preempt()`` and ``abort()`` return. The engine may reuse the request's blocks only
+    once it resolves, so one that is garbage-collected without ever having been awaited warns
+    (``RuntimeWarning``), like a coroutine that was never awaited."""
+
+    __slots__ = ("_awaited", "_what")
+
+    def __init__(self, fut: asyncio.Future[Any], what: str) -> None:
+        super().__init__(fut)
+        self._what = what
+        self._awaited = False
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        self._awaited = True
+        return self._fut.__await__()
+
+    def __del__(self) -> None:
+        if not self._awaited:
+            warnings.warn(
+                f"{self._what} was never awaited: the request's blocks may be reused only once it resolves",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+
 class LoadCompletion(_Completion):
     """What :meth:`Request.load` returns. Awaiting it resolves, on the host, once the KV is in the engine
-    blocks, to the number of tokens restored.
+    blocks, to the number of tokens restored: the last lookup's count when every block it found is loaded,
+    fewer when fewer blocks are passed, 0 when the copy failed (a failed copy is a miss, counted in
+    ``stats().load_errors`` and logged, never an exception).
 
     On a device backend an engine need not wait for the host: ``await wait_submitted()`` resolves as soon as
     the copy is queued on aiokv's load stream, and ``order_before(stream)`` then makes work enqueued on the
     engine's compute stream wait for the copy on the device::
 
         pending = req.load(blocks)
-        restored = await pending.wait_submitted()   # tokens the load restores; the copy may be running
+        restored = await pending.wait_submitted()   # tokens the load restores if its copy succeeds
         pending.order_before()                      # the forward enqueued next waits for it on the GPU
         launch_forward(...)
+
+    The host-side ``await`` is the truth: if the copy fails on the device after ``wait_submitted()``, awaiting
+    the load resolves to 0, and nothing the request computes over those blocks is stored (until it is
+    preempted); the engine should then discard what it computed (preempt the request).
     """
 
     __slots__ = ("_off", "_ticket", "_tokens")
@@ -91,7 +131,7 @@ class LoadCompletion(_Completion):
         fut: asyncio.Future[Any],
         ticket: asyncio.Future[TransferFuture | None],
         tokens: int,
-        off: Offloader,
+        off: RequestHost,
     ) -> None:
         super().__init__(fut)
         self._ticket = ticket
@@ -99,12 +139,16 @@ class LoadCompletion(_Completion):
         self._off = off
 
     async def wait_submitted(self) -> int:
-        """Resolve once the load's copy is on its stream; return the tokens it restores when it completes.
+        """Resolve once the load's copy is on its stream; return the tokens it restores when it completes (0
+        when nothing was submitted, or the copy already failed).
 
         Cancelling this wait does not withdraw the load."""
         tf = await asyncio.shield(self._ticket)
-        if tf is not None:
-            await tf.wait_submitted()
+        if tf is None:
+            return 0
+        await tf.wait_submitted()
+        if tf.done() and tf.exception() is not None:
+            return 0
         return self._tokens
 
     def order_before(self, stream: Any = None) -> None:
@@ -123,23 +167,37 @@ class LoadCompletion(_Completion):
         tf.order_before(stream if stream is not None else self._off.executor.compute_stream)
 
 
+def _settle_ticket(ticket: asyncio.Future[TransferFuture | None] | None, tf: TransferFuture | None) -> None:
+    if ticket is not None and not ticket.done():
+        ticket.set_result(tf)
+
+
 class Request:
-    """Handle on one request's offloading (returned by :meth:`aiokv.Offloader.open`)."""
+    """Handle on one request's offloading (returned by :meth:`aiokv.Offloader.open`).
+
+    Every method must be called on the thread running the offloader's event loop (else
+    :class:`~aiokv.WrongThreadError`)."""
 
     __slots__ = (
         "_abort_requested",
         "_block_set",
         "_blocks",
+        "_epoch",
         "_events",
+        "_failed_epoch",
         "_hashes",
         "_hit_blocks",
         "_in_flight",
+        "_load_ticket",
         "_off",
         "_partial",
         "_pinned",
         "_pinned_slots",
+        "_quiet",
+        "_quiet_waiters",
         "_stored_upto",
         "_task",
+        "_task_ended",
         "_waiter",
         "extra_keys",
         "num_computed_tokens",
@@ -151,7 +209,7 @@ class Request:
 
     def __init__(
         self,
-        off: Offloader,
+        off: RequestHost,
         request_id: str,
         token_ids: list[int],
         salt: object,
@@ -177,6 +235,14 @@ class Request:
         self._partial = 0  # tokens of a partially filled last block matched by the last lookup
         self._abort_requested = False
         self._task: asyncio.Task[None] | None = None
+        self._task_ended = False  # _end() ran (from the task's finally, or its done callback)
+        # The block table's generation: preempt(), load() and the first step after admission start a new one.
+        # A lookup's result is usable only in the generation it was asked in; stores are stamped with theirs.
+        self._epoch = 0
+        self._failed_epoch = -1  # a generation whose KV derives from a failed load: none of it is stored
+        self._load_ticket: asyncio.Future[TransferFuture | None] | None = None
+        self._quiet = False  # the task has ended and every copy it submitted is complete
+        self._quiet_waiters: list[asyncio.Future[None]] = []
 
     # ------------------------------------------------------------------ public
     @property
@@ -191,28 +257,36 @@ class Request:
     def lookup(self) -> _Completion:
         """Find the longest cached prefix of the request's known tokens; resolves to a token count.
 
-        The count is a multiple of ``block_size`` and smaller than the number of known tokens (the last token
-        is always recomputed to produce logits). Blocks held in lower tiers are staged into the CPU tier first,
-        so every counted block is loadable. The matched entries stay pinned until :meth:`load`, another
-        lookup, or the end of the request.
+        The count is a multiple of ``block_size`` (unless ``store_partial_last_block``) and smaller than the
+        number of known tokens (the last token is always recomputed to produce logits). The prefix may span
+        tiers: blocks missing from the CPU tier are staged from lower tiers, and blocks already in the CPU tier
+        after them count too, so every counted block is loadable. A block a tier fails to read (or finds
+        corrupt) ends the prefix. The matched entries stay pinned until :meth:`load`, another lookup, a step
+        without load, or the end of the request.
         """
-        self._check_alive("lookup")
-        if self.state not in (RequestState.WAITING, RequestState.PREEMPTED):
+        self._check_call("lookup")
+        if self.state not in _ADMITTING:
             raise RequestStateError(
                 f"lookup() needs a request holding no blocks (waiting or preempted), request {self.request_id!r} is {self.state.value}"
             )
-        return self._post(_Ev.LOOKUP, None)
+        self._hit_blocks = None  # load() waits for this lookup's result
+        return self._post(_Ev.LOOKUP, self._epoch)
 
     def load(self, block_ids: Sequence[int]) -> LoadCompletion:
         """Copy the cached prefix found by :meth:`lookup` into ``block_ids``, which become the request's first
-        blocks. Resolves when the KV is in the engine blocks.
+        blocks. Resolves, when the KV is in the engine blocks, to the number of tokens restored: the lookup's
+        count when ``len(block_ids)`` covers every block it found (with ``store_partial_last_block`` that
+        includes a partially filled last block), else ``len(block_ids) * block_size``; 0 if the copy failed
+        (a miss, counted and logged; ``num_computed_tokens`` is then 0 again). Compute the rest of the prompt
+        from that number, never from the lookup's: a step claiming more before the load resolved is refused.
 
-        Cancelling the awaiting task before the copy is submitted withdraws the load (nothing is copied and
-        the pins are released). Once submitted a copy cannot be recalled: the blocks stay guarded until it
-        completes, so the engine must still ``abort()``/``preempt()`` before reusing them.
+        Raises only for misuse (bad ``block_ids``, wrong state, a closed offloader). Cancelling the awaiting
+        task before the copy is submitted withdraws the load (nothing is copied and the pins are released).
+        Once submitted a copy cannot be recalled: the blocks stay guarded until it completes, so the engine
+        must still ``abort()``/``preempt()`` before reusing them.
         """
-        self._check_alive("load")
-        if self.state not in (RequestState.WAITING, RequestState.PREEMPTED) or self._blocks:
+        self._check_call("load")
+        if self.state not in _ADMITTING or self._blocks:
             raise RequestStateError(
                 f"load() needs a request holding no blocks, request {self.request_id!r} is {self.state.value}"
             )
@@ -228,6 +302,7 @@ class Request:
         # previous owner's) are done: take that point now, before anything changes (it may be refused).
         mark = self._off._mark() if ids else None
         self._hit_blocks = None
+        self._epoch += 1
         # The block table and counters change now, synchronously, so that step() right after is validated
         # against them; the copy itself is submitted by the task in order.
         self._blocks = list(ids)
@@ -242,8 +317,10 @@ class Request:
         self.state = RequestState.LOADING if ids else self.state
         fut: asyncio.Future[Any] = self._off.loop.create_future()
         ticket: asyncio.Future[TransferFuture | None] = self._off.loop.create_future()
-        self._post_nowait(_Ev.LOAD, (ids, mark, ticket), fut)
-        return LoadCompletion(fut, ticket, self.num_computed_tokens, self._off)
+        self._load_ticket = ticket
+        restored = self.num_computed_tokens
+        self._post_nowait(_Ev.LOAD, (ids, mark, ticket, restored, self._epoch), fut)
+        return LoadCompletion(fut, ticket, restored, self._off)
 
     def step(
         self,
@@ -255,8 +332,13 @@ class Request:
         known tokens, and ``num_computed_tokens`` (absolute) tokens now have their KV written.
 
         Synchronous and O(1) amortized: it never blocks or awaits. Every block whose tokens are all known and
-        computed is queued for storing, in one batch per step.
+        computed is queued for storing, in one batch per step. While a load is in flight, no more than the
+        tokens it restores can be computed: a step claiming more is refused until the load resolved (on a
+        device: until ``wait_submitted()`` returned, after which ``order_before()`` orders the forward).
         """
+        off = self._off
+        if _get_ident() != off._thread:
+            raise off._wrong_thread("step")
         state = self.state
         if state in _ENDED or self._abort_requested:
             raise RequestStateError(
@@ -266,7 +348,6 @@ class Request:
             raise InvalidTypeError(
                 f"num_computed_tokens must be an int, got {type(num_computed_tokens).__name__}"
             )
-        off = self._off
         blocks = self._blocks
         # Validate everything before changing anything: a rejected step leaves the request as it was.
         ids: list[int] = []
@@ -293,9 +374,11 @@ class Request:
             raise InvalidArgumentError(
                 f"num_computed_tokens must fit in the request's {nblocks} blocks of {bs} tokens, got {n}"
             )
+        if state is RequestState.LOADING and n > self.num_computed_tokens:
+            self._check_load_usable(n)
         full = n // bs
         # The KV of this step may still be queued on the compute stream: the store waits for this point.
-        mark = self._off._mark() if full > self._stored_upto else None
+        mark = off._mark() if full > self._stored_upto else None
         if ids:
             blocks.extend(ids)
             self._block_set.update(ids)
@@ -304,56 +387,56 @@ class Request:
         if self._hit_blocks is not None:
             # Stepping without load(): the lookup's pins are no longer needed (a LOAD of nothing releases them).
             self._hit_blocks = None
-            self._post_nowait(_Ev.LOAD, (_EMPTY, None, None))
+            self._post_nowait(_Ev.LOAD, (_EMPTY, None, None, 0, self._epoch))
         self.num_computed_tokens = n
-        if state is not RequestState.LOADING:
+        if state is not RequestState.LOADING and state is not RequestState.RUNNING:
             self.state = RequestState.RUNNING
+            self._epoch += 1  # admission is over: a lookup still in flight no longer applies
         if full > self._stored_upto:
             start = self._stored_upto
             self._stored_upto = full
             # The block list is only ever appended to (preempt/load replace it), so positions < full are stable.
-            self._post_nowait(_Ev.STORE, (start, full, blocks, mark))
+            self._post_nowait(_Ev.STORE, (start, full, blocks, mark, self._epoch))
 
     def wait_processed(self) -> _Completion:
         """Resolve once the request's task has processed every event posted before this call (stores of
         earlier steps are then submitted, though not necessarily complete). For tests and diagnostics."""
-        self._check_alive("wait_processed")
+        self._check_call("wait_processed")
         return self._post(_Ev.BARRIER, None)
 
     def finish(self) -> _Completion:
         """End the request. Every full, computed block is stored (including the one completed by the last
-        step); resolves once every engine block of this request may be reused."""
-        self._check_alive("finish")
+        step); resolves once every engine block of this request may be reused. Await it: one that is never
+        awaited warns (``RuntimeWarning``)."""
+        self._check_call("finish")
         tail = self._partial_tail()
         self.state = RequestState.FINISHING
-        return self._post(_Ev.FINISH, tail)
+        return _ReleaseCompletion(self._post_future(_Ev.FINISH, tail), self._what("finish"))
 
     def preempt(self) -> _Completion:
         """Give up the request's blocks but keep it open. Resolves once they may be reused; afterwards
-        :meth:`lookup` / :meth:`load` / :meth:`step` rebuild the block table as for a new request."""
-        self._check_alive("preempt")
+        :meth:`lookup` / :meth:`load` / :meth:`step` rebuild the block table as for a new request. Await it:
+        one that is never awaited warns (``RuntimeWarning``)."""
+        self._check_call("preempt")
         tail = self._partial_tail()
         self._blocks = []
         self._block_set = set()
         self.num_computed_tokens = 0
         self._stored_upto = 0
         self._hit_blocks = None
+        self._epoch += 1
         self.state = RequestState.PREEMPTED
-        return self._post(_Ev.PREEMPT, tail)
+        return _ReleaseCompletion(self._post_future(_Ev.PREEMPT, tail), self._what("preempt"))
 
     def abort(self) -> _Completion:
         """Cancel the request: stores not yet submitted are dropped, copies in flight (loads included) are
-        waited for. Resolves once every engine block may be reused. Idempotent."""
-        if self._abort_requested or self.state in _ENDED:
-            # Already ending: resolve when the request task is done (its copies are then complete).
-            fut = self._off.loop.create_future()
-            if self._task is not None and not self._task.done():
-                self._task.add_done_callback(lambda _t: resolve(fut, None))
-            else:
-                fut.set_result(None)
-            return _Completion(fut)
-        self._abort_requested = True
-        return self._post(_Ev.ABORT, None)
+        waited for. Resolves once every engine block may be reused. Idempotent, and also resolves (once the
+        copies are done) for a request that already ended or whose task was cancelled. Await it: one that is
+        never awaited warns (``RuntimeWarning``)."""
+        off = self._off
+        if _get_ident() != off._thread:
+            raise off._wrong_thread("abort")
+        return _ReleaseCompletion(self._abort_future(), self._what("abort"))
 
     def __repr__(self) -> str:
         return (
@@ -362,17 +445,50 @@ class Request:
         )
 
     # ---------------------------------------------------------------- internals
-    def _partial_tail(self) -> tuple[int, int, int, Any] | None:
-        """(block index, engine block, tokens) of a partially computed last block, when configured to store it."""
+    def _what(self, method: str) -> str:
+        return f"{method}() of request {self.request_id!r}"
+
+    def _abort_future(self) -> asyncio.Future[Any]:
+        """abort() without the awaitable wrapper (the offloader's close uses it; nothing warns)."""
+        fut: asyncio.Future[Any] = self._off.loop.create_future()
+        if self._abort_requested or self.state in _ENDED:
+            # Already ending: resolve once the task is done and its copies are complete.
+            if self._quiet:
+                fut.set_result(None)
+            else:
+                self._quiet_waiters.append(fut)
+            return fut
+        self._abort_requested = True
+        self._post_nowait(_Ev.ABORT, None, fut)
+        return fut
+
+    def _check_load_usable(self, n: int) -> None:
+        """A step computing past the restored tokens of a load in flight: only once the engine can have
+        ordered its forward after the copy (device: submitted; cpu: never before the load resolved)."""
+        ticket = self._load_ticket
+        if self._off._device is not None and ticket is not None and ticket.done():
+            return
+        raise RequestStateError(
+            f"num_computed_tokens must be <= {self.num_computed_tokens} (the tokens restored by the load in "
+            f"flight) until the load resolved, got {n}: await the load (on a device, await its "
+            "wait_submitted() and call order_before()) before computing over it"
+        )
+
+    def _partial_tail(self) -> tuple[int, int, int, Any, int] | None:
+        """(block index, engine block, tokens, mark, generation) of a partially computed last block, when
+        configured to store it."""
         if not self._off.store_partial_last_block:
             return None
         bs = self._off.block_size
         full, k = divmod(self.num_computed_tokens, bs)
         if k == 0 or full >= len(self._blocks):
             return None
-        return full, self._blocks[full], k, self._off._mark()
+        return full, self._blocks[full], k, self._off._mark(), self._epoch
 
-    def _check_alive(self, what: str) -> None:
+    def _check_call(self, what: str) -> None:
+        off = self._off
+        if _get_ident() != off._thread:
+            raise off._wrong_thread(what)
         if self.state in _ENDED or self._abort_requested:
             raise RequestStateError(
                 f"{what}() after the request ended: request {self.request_id!r} is "
@@ -380,9 +496,12 @@ class Request:
             )
 
     def _post(self, kind: _Ev, payload: Any) -> _Completion:
+        return _Completion(self._post_future(kind, payload))
+
+    def _post_future(self, kind: _Ev, payload: Any) -> asyncio.Future[Any]:
         fut: asyncio.Future[Any] = self._off.loop.create_future()
         self._post_nowait(kind, payload, fut)
-        return _Completion(fut)
+        return fut
 
     def _post_nowait(self, kind: _Ev, payload: Any, fut: asyncio.Future[Any] | None = None) -> None:
         self._events.append((kind, payload, fut))
@@ -391,7 +510,14 @@ class Request:
             waiter.set_result(None)
 
     def _start(self) -> None:
-        self._task = self._off.loop.create_task(self._run(), name=f"aiokv-request-{self.request_id}")
+        task = self._off.loop.create_task(self._run(), name=f"aiokv-request-{self.request_id}")
+        task.add_done_callback(self._task_done)
+        self._task = task
+
+    def _task_done(self, _task: asyncio.Task[None]) -> None:
+        # A task cancelled before its first step never enters _run(), so its finally never runs: end here.
+        if not self._task_ended:
+            self._end(None)
 
     def _chain(self, n_blocks: int) -> list[bytes]:
         """The request's block hashes, computed (incrementally) at least up to block ``n_blocks``. Returns the
@@ -413,74 +539,137 @@ class Request:
         return hashes
 
     async def _run(self) -> None:
-        off = self._off
         events = self._events
-        loop = off.loop
+        loop = self._off.loop
+        current: tuple[_Ev, Any, asyncio.Future[Any] | None] | None = None
         try:
             while True:
                 while not events:
                     self._waiter = loop.create_future()
                     await self._waiter
                     self._waiter = None
-                kind, payload, fut = events.popleft()
+                current = events.popleft()
+                kind, payload, fut = current
                 if kind is _Ev.STORE:
-                    if not self._abort_requested:
-                        self._guarded(self._do_store, *payload)
+                    current = None
+                    self._store(payload)
                     continue
                 if fut is not None and fut.cancelled() and kind in (_Ev.LOOKUP, _Ev.LOAD):
-                    # Withdrawn before it ran: leave no trace (pins of a withdrawn load are released).
-                    if kind is _Ev.LOAD:
-                        ticket = payload[2]
-                        if ticket is not None and not ticket.done():
-                            ticket.set_result(None)
-                        self._unpin()
-                        self._blocks = []
-                        self._block_set = set()
-                        self.num_computed_tokens = 0
-                        self._stored_upto = 0
-                        if self.state is RequestState.LOADING:
-                            self.state = RequestState.WAITING
+                    current = None
+                    if kind is _Ev.LOAD:  # withdrawn before it ran: leave no trace
+                        self._withdraw_load(payload)
                     continue
                 if kind is _Ev.BARRIER:
+                    current = None
                     if fut is not None and not fut.done():
                         fut.set_result(None)
                     continue
                 try:
                     if kind is _Ev.LOOKUP:
-                        result: Any = await self._do_lookup()
+                        result: Any = await self._do_lookup(payload)
                     elif kind is _Ev.LOAD:
                         result = await self._do_load(payload)
                     else:
-                        if payload is not None and not self._abort_requested:
-                            self._guarded(self._do_store_partial, *payload)
+                        if payload is not None:
+                            self._store_partial(payload)
                         await self._drain()  # always: this is what makes the blocks reusable
                         self._unpin()
                         result = None
                         if kind is not _Ev.PREEMPT:
                             self.state = RequestState.FINISHED if kind is _Ev.FINISH else RequestState.ABORTED
-                except BaseException as exc:
+                except Exception as exc:
+                    current = None
                     if fut is not None and not fut.done():
                         fut.set_exception(exc)
-                    if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
-                        raise
                     continue
+                current = None
                 if fut is not None and not fut.done():
                     fut.set_result(result)
                 if self.state in (RequestState.FINISHED, RequestState.ABORTED):
                     return
         finally:
             self._waiter = None
-            while events:  # only reachable if the task itself was cancelled (offloader shutdown)
-                kind, payload, fut = events.popleft()
-                if kind is _Ev.LOAD and payload[2] is not None and not payload[2].done():
-                    payload[2].set_exception(RequestStateError(f"request {self.request_id!r} ended"))
-                    payload[2].exception()
+            self._end(current)
+
+    def _end(self, current: tuple[_Ev, Any, asyncio.Future[Any] | None] | None) -> None:
+        """The task is ending. Normally after FINISH/ABORT (nothing is left); when the task was cancelled
+        (an application shutting down), the request ends as aborted: everything still queued resolves (a
+        lookup and a load to 0, the others to None) once the copies in flight are complete."""
+        self._task_ended = True
+        left = [current] if current is not None else []
+        left.extend(self._events)
+        self._events.clear()
+        if self.state not in (RequestState.FINISHED, RequestState.ABORTED):
+            self.state = RequestState.ABORTED
+            self._abort_requested = True
+            self._hit_blocks = None
+            self._unpin()
+        for kind, payload, _fut in left:
+            if kind is _Ev.LOAD:
+                _settle_ticket(payload[2], None)
+
+        def settle() -> None:
+            for kind, _payload, fut in left:
                 if fut is not None and not fut.done():
-                    if kind is _Ev.ABORT:
-                        fut.set_result(None)
-                    else:
-                        fut.set_exception(RequestStateError(f"request {self.request_id!r} ended"))
-            off._request_ended(self)
+                    fut.set_result(0 if kind in (_Ev.LOOKUP, _Ev.LOAD) else None)
+            self._quiet = True
+            waiters, self._quiet_waiters = self._quiet_waiters, []
+            for w in waiters:
+                resolve(w, None)
+
+        self._when_copies_done(settle)
+        self._off._request_ended(self)
+
+    def _when_copies_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once every copy this request submitted is complete (now, if they all are)."""
+        pending = [tf for tf in self._in_flight if not tf.done()]
+        self._in_flight = set(pending)
+        if not pending:
+            callback()
+            return
+        remaining = len(pending)
+
+        def one_done(_tf: TransferFuture) -> None:
+            nonlocal remaining
+            remaining -= 1
+            if remaining == 0:
+                self._in_flight.clear()
+                callback()
+
+        for tf in pending:
+            tf.add_done_callback(one_done)
+
+    def _withdraw_load(self, payload: tuple[Any, ...]) -> None:
+        """A load cancelled before the task ran it: release the lookup's pins and, unless the request moved on
+        since (preempted), give up the block table load() set."""
+        _settle_ticket(payload[2], None)
+        self._unpin()
+        if payload[4] != self._epoch:
+            return
+        self._blocks = []
+        self._block_set = set()
+        self.num_computed_tokens = 0
+        self._stored_upto = 0
+        if self.state is RequestState.LOADING:
+            self.state = RequestState.WAITING
+
+    def _store(self, payload: tuple[int, int, list[int], Any, int]) -> None:
+        start, end, blocks, mark, epoch = payload
+        if self._abort_requested:
+            return
+        if epoch == self._failed_epoch:
+            self._off._counters.stores_invalidated += end - start
+            return
+        self._guarded(self._do_store, start, end, blocks, mark)
+
+    def _store_partial(self, payload: tuple[int, int, int, Any, int]) -> None:
+        index, block_id, k, mark, epoch = payload
+        if self._abort_requested:
+            return
+        if epoch == self._failed_epoch:
+            self._off._counters.stores_invalidated += 1
+            return
+        self._guarded(self._do_store_partial, index, block_id, k, mark)
 
     def _guarded(self, store: Any, *args: Any) -> None:
         """Run a store submission; a failure to submit (a bug, a closed executor) drops the store, is counted
@@ -488,10 +677,7 @@ class Request:
         try:
             store(*args)
         except Exception as exc:
-            self._off._counters.store_errors += 1
-            self._off.loop.call_exception_handler(
-                {"message": f"aiokv: store for request {self.request_id!r} failed", "exception": exc}
-            )
+            self._off._store_not_submitted(self.request_id, exc)
 
     def _track(self, tf: TransferFuture) -> None:
         in_flight = self._in_flight
@@ -530,68 +716,96 @@ class Request:
         if tf is not None:
             self._track(tf)
 
-    async def _do_lookup(self) -> int:
+    async def _do_lookup(self, epoch: int) -> int:
         self._unpin()
         off = self._off
         bs = off.block_size
         max_blocks = max(0, (len(self.token_ids) - 1) // bs)
         keys = self._chain(max_blocks)[:max_blocks]
-        self._pinned, self._pinned_slots = await off._lookup_and_pin(keys)
-        hit = len(self._pinned)
-        self._partial = 0
+        pinned, slots = await off._lookup_and_pin(keys)
+        hit = len(pinned)
+        partial = 0
         if off.store_partial_last_block:
             # Longest partially filled block continuing the full hit (CPU tier only).
             start = hit * bs
             parent = self._parent(hit)
             for k in range(min(bs - 1, len(self.token_ids) - 1 - start), 0, -1):
                 key = partial_block_hash(parent, self.token_ids[start : start + k])
-                slots = off._index.pin_prefix([key])
-                if slots:
-                    self._pinned.append(key)
-                    self._pinned_slots.append(slots[0])
-                    self._partial = k
+                got = off._pin_ready([key])
+                if got:
+                    pinned.append(key)
+                    slots.append(got[0])
+                    partial = k
                     break
-        self._hit_blocks = hit + (1 if self._partial else 0)
-        return hit * bs + self._partial
+        self._pinned, self._pinned_slots = pinned, slots
+        self._partial = partial
+        if epoch == self._epoch and self.state in _ADMITTING:
+            self._hit_blocks = hit + (1 if partial else 0)
+        else:
+            # The request moved on while this lookup ran (preempted, stepped or ended): nothing will load it.
+            self._unpin()
+        return hit * bs + partial
 
-    async def _do_load(
-        self, payload: tuple[list[int], Any, asyncio.Future[TransferFuture | None] | None]
-    ) -> int:
-        block_ids, mark, ticket = payload
+    async def _do_load(self, payload: tuple[list[int], Any, Any, int, int]) -> int:
+        block_ids, mark, ticket, restored, epoch = payload
         n = len(block_ids)
+        off = self._off
         if n == 0:
             self._unpin()
-            if ticket is not None and not ticket.done():
-                ticket.set_result(None)
+            _settle_ticket(ticket, None)
             return 0
         keys, slots = self._pinned[:n], self._pinned_slots[:n]
         extra = self._pinned[n:]
         self._pinned = []
         self._pinned_slots = []
         if extra:
-            self._off._unpin(extra)
+            off._unpin(extra)
+        assert len(keys) == n, "load() of more blocks than its lookup pinned"
         # The loaded entries stay pinned until the copy reading their slots completes (done callback).
         try:
-            tf = self._off._load_blocks(keys, slots, block_ids, mark)
-        except BaseException as exc:
+            tf = off._load_blocks(keys, slots, block_ids, mark)
+        except ClosedError as exc:  # the offloader is closed under the request: the engine must hear of it
+            off._unpin(keys)
+            self._load_failed(epoch, restored)
             if ticket is not None and not ticket.done():
                 ticket.set_exception(exc)
                 ticket.exception()  # the load's own awaitable reports it; this one may never be awaited
             raise
-        if ticket is not None and not ticket.done():
-            ticket.set_result(tf)
+        except Exception as exc:  # a copy that cannot be submitted is a miss
+            off._unpin(keys)
+            off._load_not_submitted(self.request_id, n, exc)
+            self._load_failed(epoch, restored)
+            _settle_ticket(ticket, None)
+            return 0
+        _settle_ticket(ticket, tf)
         self._track(tf)
         with contextlib.suppress(TransferError):
             await tf
+        if tf.exception() is not None:  # counted and logged by the offloader's completion callback
+            self._load_failed(epoch, restored)
+            return 0
         if self.state is RequestState.LOADING:
             self.state = RequestState.RUNNING
-        if tf.exception() is not None:
-            # The engine blocks hold garbage: nothing of them counts as computed any more.
-            self.num_computed_tokens = 0
-            self._stored_upto = 0
-            tf.result()
-        return n * self._off.block_size
+        return restored
+
+    def _load_failed(self, epoch: int, restored: int) -> None:
+        """The load of generation ``epoch`` restored nothing: its blocks hold garbage. Nothing computed over
+        them may be stored; if the engine has computed nothing over them yet, the request counts 0 tokens
+        computed and a new generation starts (the engine, awaiting the load, recomputes from 0)."""
+        if self.state is RequestState.LOADING:
+            self.state = RequestState.RUNNING
+        self._failed_epoch = epoch
+        if epoch != self._epoch:
+            return  # preempted since: the table that held this load is gone
+        if self.num_computed_tokens > restored:
+            # A device engine already computed over the copy (ordered after it on the device): that KV is
+            # wrong and stays unstored until the request is preempted.
+            self._off._load_poisoned(self.request_id, self.num_computed_tokens)
+            return
+        self.num_computed_tokens = 0
+        self._stored_upto = 0
+        self._epoch += 1
 
 
 RequestHandle = Request
-"""Alias: the issue's contract calls the object returned by ``Offloader.open`` a request handle."""
+"""Alias of :class:`Request`: the name the API contract gives the object returned by ``Offloader.open``."""

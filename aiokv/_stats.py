@@ -28,6 +28,7 @@ class Counters:
         "store_errors",
         "stores_deduplicated",
         "stores_dropped",
+        "stores_invalidated",
     )
 
     def __init__(self) -> None:
@@ -47,6 +48,7 @@ class Counters:
         self.store_errors = 0
         self.stores_deduplicated = 0
         self.stores_dropped = 0
+        self.stores_invalidated = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +68,7 @@ class OffloaderStats:
     in_flight: int  # copies submitted and not yet complete
     in_flight_bytes: int
     evictions: int
-    errors: int  # failed copies + failed lower-tier operations
+    errors: int  # failed copies (and copy submissions) + failed lower-tier operations
     store_errors: int
     load_errors: int
     staged_blocks: int  # blocks brought from lower tiers into the CPU tier
@@ -78,6 +80,8 @@ class OffloaderStats:
     requests_finished: int
     backend: str
     tiers: tuple[Any, ...] = field(default=())
+    eviction: str = ""  # the CPU tier's active eviction policy
+    stores_invalidated: int = 0  # store skipped: the block's KV was computed over a load whose copy failed
 
     @property
     def hit_rate(self) -> float:

@@ -179,3 +179,25 @@ def test_py_typed_ships() -> None:
     )
     assert package_data is not None
     assert re.search(r'^aiokv = \[.*"py\.typed".*\]', package_data.group(1), re.MULTILINE)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports, at run time or for type checking (relative names resolved)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = "aiokv" if node.level == 1 else ""
+            found.add(f"{base}.{node.module}" if base and node.module else (node.module or ""))
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_request_depends_on_a_narrow_interface_not_on_the_offloader() -> None:
+    """``_offloader`` creates requests; ``_request`` sees its owner only through ``_host.RequestHost``, so the two
+    modules form no import cycle (not even one hidden behind ``TYPE_CHECKING``)."""
+    request_imports = _imported_modules(REPO / "aiokv" / "_request.py")
+    assert "aiokv._host" in request_imports
+    assert "aiokv._offloader" not in request_imports
+    assert "aiokv._request" in _imported_modules(REPO / "aiokv" / "_offloader.py")

@@ -1,4 +1,5 @@
-"""Generate docs/reference.md from the docstrings of the public API (``aiokv.__all__``).
+"""Generate docs/reference.md from the docstrings of the public API: ``aiokv.__all__``, then each public
+subpackage's ``__all__`` (names already listed at the top level are not repeated).
 
 Usage: ``python tools/gen_reference.py`` (writes the file) or ``--check`` (exit 1 when it is stale).
 """
@@ -6,6 +7,7 @@ Usage: ``python tools/gen_reference.py`` (writes the file) or ``--check`` (exit 
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import sys
 from pathlib import Path
@@ -26,21 +28,47 @@ def _sig(obj: object) -> str:
         return ""
 
 
+SUBPACKAGES = (
+    ("aiokv.engine", "The reference engine: `Engine.generate`, `Engine.stream`, their results and stats."),
+    ("aiokv.tiers", "Tiers, the block index and eviction policies."),
+    ("aiokv.transfer", "The copy executor, transfer futures, device bindings and the simulated device."),
+    ("aiokv.events", "KV cache events (needs the `events` extra for the ZMQ publisher)."),
+    ("aiokv.metrics", "Prometheus metrics (needs `prometheus_client`)."),
+)
+
+
 def render() -> str:
     lines = [
         "# API reference",
         "",
         "Generated from docstrings by `python tools/gen_reference.py`; do not edit by hand.",
-        "Everything listed here is importable from `aiokv` and covered by the compatibility promise.",
+        "Everything listed here is covered by the compatibility promise: the top-level names are importable",
+        "from `aiokv`, the others from the subpackage they are listed under.",
+        "",
+        "Contents: [aiokv](#aiokv) · "
+        + " · ".join(f"[{mod}](#{mod.replace('.', '')})" for mod, _ in SUBPACKAGES),
+        "",
+        "# aiokv",
         "",
     ]
-    for name in sorted(aiokv.__all__, key=str.lower):
-        obj = getattr(aiokv, name)
+    _render_module(lines, aiokv, aiokv.__all__, "")
+    top = set(aiokv.__all__)
+    for mod_name, blurb in SUBPACKAGES:
+        mod = importlib.import_module(mod_name)
+        names = [n for n in mod.__all__ if n not in top]
+        lines += [f"# {mod_name}", "", blurb, ""]
+        _render_module(lines, mod, names, mod_name + ".")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _render_module(lines: list[str], module: object, names: list[str], prefix: str) -> None:
+    for name in sorted(names, key=str.lower):
+        obj = getattr(module, name)
         if name.startswith("__"):
             continue
         if inspect.isclass(obj):
             kind = "exception" if issubclass(obj, BaseException) else "class"
-            lines += [f"## `{name}` ({kind})", ""]
+            lines += [f"## `{prefix}{name}` ({kind})", ""]
             if not issubclass(obj, BaseException):
                 lines += ["```python", f"{name}{_sig(obj)}", "```", ""]
             else:
@@ -60,15 +88,14 @@ def render() -> str:
                     lines += [f"### `{asyncness}{name}.{attr}{_sig(member)}`", "", _doc(member), ""]
             lines.append("")
         elif callable(obj):
-            lines += [f"## `{name}{_sig(obj)}`", "", _doc(obj), ""]
+            lines += [f"## `{prefix}{name}{_sig(obj)}`", "", _doc(obj), ""]
         else:
             lines += [
-                f"## `{name}`",
+                f"## `{prefix}{name}`",
                 "",
                 f"Constant: `{obj!r}`" if not isinstance(obj, bytes) else "Constant (bytes).",
                 "",
             ]
-    return "\n".join(lines).rstrip() + "\n"
 
 
 def main() -> int:

@@ -16,7 +16,34 @@ if TYPE_CHECKING:
     from .._layout import KVLayout
     from ..transfer._binding import DeviceBinding
 
-__all__ = ["CPUTier", "CPUTierStats"]
+__all__ = ["CPUTier", "CPUTierStats", "policy_name", "resolve_eviction"]
+
+
+def resolve_eviction(
+    tier: str | EvictionPolicy | None, offloader: str | EvictionPolicy | None
+) -> str | EvictionPolicy:
+    """The one eviction policy of a CPU tier, set on the tier or on the offloader (not both differently)."""
+    if tier is None:
+        return "lru" if offloader is None else offloader
+    if offloader is None or offloader is tier or (isinstance(tier, str) and tier == offloader):
+        return tier
+    raise InvalidArgumentError(
+        f"eviction must be set in one place, got {_name(offloader)} on the Offloader and "
+        f"{_name(tier)} on its CPUTier"
+    )
+
+
+def policy_name(policy: object) -> str:
+    """A name for an ``eviction=`` argument: the registered name, else the policy's own ``name``."""
+    if isinstance(policy, str):
+        return policy
+    if isinstance(policy, EvictionPolicy):
+        return policy.name
+    return getattr(policy, "__name__", type(policy).__name__)
+
+
+def _name(policy: object) -> str:
+    return repr(policy) if isinstance(policy, str) else f"{policy_name(policy)!r} ({type(policy).__name__})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +58,7 @@ class CPUTierStats:
     evictions: int
     rejected: int
     pinned_memory: bool
+    eviction: str = ""  # the active eviction policy's name ("" before the tier is bound)
 
 
 class CPUTier:
@@ -40,7 +68,9 @@ class CPUTier:
     of exactly the buffer: no rounding, released with the tier) so copies to and from it are asynchronous;
     ``pinned=False`` is refused there, because it would make every copy synchronous on the calling thread.
     A CPU layout's buffer is never pinned (the copy kernel gains nothing from it). ``stats().pinned_memory``
-    reports what really happened. ``eviction`` overrides the offloader's policy for this tier.
+    reports what really happened. ``eviction`` is the tier's eviction policy; set it here or on the
+    :class:`~aiokv.Offloader` (``eviction=``), not both: two different policies are refused rather than one
+    silently winning. ``stats().eviction`` names the active one.
     """
 
     name = "cpu"
@@ -67,16 +97,21 @@ class CPUTier:
         self._pinned_memory = False
         self._unpin_at_exit: weakref.finalize[Any, Any] | None = None
         self.slot_bytes = 0
+        self._eviction_name = ""
 
     def bind(
         self,
         layout: KVLayout,
-        default_eviction: str | EvictionPolicy,
+        default_eviction: str | EvictionPolicy | None = None,
         device: DeviceBinding | None = None,
     ) -> None:
-        """Size the slots for ``layout`` and allocate the buffer (once); page-lock it for a ``device``."""
+        """Size the slots for ``layout`` and allocate the buffer (once); page-lock it for a ``device``.
+
+        ``default_eviction`` is the offloader's ``eviction=``: used when the tier has none, refused when it
+        names a different policy than the tier's own (``None``: the tier's, else ``"lru"``)."""
         if self._index is not None:
             raise InvalidArgumentError("a CPUTier can serve only one offloader")
+        eviction = resolve_eviction(self.eviction, default_eviction)
         slot_bytes = layout.slot_bytes
         num_slots = self.capacity_bytes // slot_bytes
         if num_slots < 1:
@@ -92,7 +127,8 @@ class CPUTier:
             raise InvalidArgumentError(
                 "pinned=True needs a device layout (cuda or simulated); a cpu layout is copied by memcpy"
             )
-        policy = make_policy(self.eviction if self.eviction is not None else default_eviction, num_slots)
+        policy = make_policy(eviction, num_slots)
+        self._eviction_name = eviction if isinstance(eviction, str) else policy.name
         buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8)
         if device is not None:
             device.pin(buffer)  # raises DeviceError when the memory cannot be locked
@@ -136,7 +172,7 @@ class CPUTier:
 
     def stats(self) -> CPUTierStats:
         if self._index is None:
-            return CPUTierStats(self.capacity_bytes, 0, 0, 0, 0, 0, 0, 0, 0, False)
+            return CPUTierStats(self.capacity_bytes, 0, 0, 0, 0, 0, 0, 0, 0, False, "")
         s = self._index.stats()
         return CPUTierStats(
             capacity_bytes=self.capacity_bytes,
@@ -149,6 +185,7 @@ class CPUTier:
             evictions=s.evictions,
             rejected=s.rejected,
             pinned_memory=self._pinned_memory,
+            eviction=self._eviction_name,
         )
 
     def __repr__(self) -> str:

@@ -183,7 +183,9 @@ def fp(
     model_id: str | None = None,
 ) -> bytes:
     t = torch.zeros(*shape, dtype=dtype)
-    return KVLayout([t, t.clone()], block_size=block_size, block_dim=block_dim, model_id=model_id).fingerprint
+    return KVLayout(
+        [t, t.clone()], block_size=block_size, block_dim=block_dim, token_dim=None, model_id=model_id
+    ).fingerprint
 
 
 def test_layout_fingerprint_ignores_num_blocks_only() -> None:
@@ -196,7 +198,7 @@ def test_layout_fingerprint_ignores_num_blocks_only() -> None:
     assert fp(8, 16, 2, 8) != base  # per-block shape (head dim)
     assert fp(8, 16, 2, 4, model_id="m") != base
     t = torch.zeros(8, 16, 2, 4, dtype=torch.float16)
-    assert KVLayout([t, t, t], block_size=16).fingerprint != base  # number of tensors
+    assert KVLayout([t, t.clone(), t.clone()], block_size=16).fingerprint != base  # number of tensors
 
 
 def test_layout_root_separates_caches_of_different_layouts() -> None:

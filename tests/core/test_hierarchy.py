@@ -264,3 +264,55 @@ async def test_blocks_staged_from_a_slower_tier_are_promoted_to_faster_lower_tie
         await b.flush()
         assert set(disk.data) == set(remote.data)
         assert b.cpu.stats().pinned == 0
+
+
+async def test_lookup_stages_a_missing_head_and_continues_through_the_cpu_tier() -> None:
+    """Regression: with the head block evicted from the CPU tier and the next five still in it, lookup()
+    returned 16 tokens instead of 96: staging stopped at the first block already in the CPU tier. The head is
+    staged from the lower tier and the walk continues through the CPU tier's blocks."""
+    shared = MemoryTier()
+    eng = SimEngine(block_size=16)
+    tokens = list(range(97))
+    async with _off(eng, 64, shared) as off:
+        await _serve(eng, off, "a", tokens)
+        await off.flush()
+        chain = aiokv.block_hashes(tokens, 16, root=eng.layout.root)
+        off.cpu.index.discard(chain[0])  # as if evicted from the CPU tier only
+        req = off.open("b", [*tokens, 5])
+        assert await req.lookup() == 96
+        s = off.stats()
+        assert s.staged_blocks == 1
+        assert shared.reads == 1
+        dst = eng.alloc(6)
+        assert dst is not None
+        assert await req.load(dst) == 96
+        eng.check_tokens(running_hashes([*tokens, 5]), dst, 96)
+        await req.abort()
+        assert off.cpu.stats().pinned == 0
+        off.cpu.index.check_invariants()
+
+
+async def test_lookup_fills_every_gap_and_stops_where_no_tier_has_the_block() -> None:
+    """Gaps in the CPU tier (blocks 1 and 3 evicted) are staged one run at a time; block 5, in no tier,
+    ends the prefix, and the CPU blocks after it are not counted (nor left pinned)."""
+    shared = MemoryTier()
+    eng = SimEngine(block_size=4)
+    tokens = list(range(33))
+    async with _off(eng, 64, shared) as off:
+        await _serve(eng, off, "a", tokens)
+        await off.flush()
+        chain = aiokv.block_hashes(tokens, 4, root=eng.layout.root)
+        for i in (1, 3, 5):
+            off.cpu.index.discard(chain[i])
+        del shared.data[chain[5]]
+        req = off.open("b", tokens)
+        assert await req.lookup() == 5 * 4
+        assert off.stats().staged_blocks == 2
+        assert off.cpu.stats().pinned == 5  # blocks 0-4, held for the load; 6 and 7 were let go
+        dst = eng.alloc(5)
+        assert dst is not None
+        assert await req.load(dst) == 20
+        eng.check_tokens(running_hashes(tokens), dst, 20)
+        await req.abort()
+        assert off.cpu.stats().pinned == 0
+        off.cpu.index.check_invariants()

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiokv import CPUTier, KVLayout, Offloader
+from aiokv import CPUTier, InvalidArgumentError, InvalidLayoutError, InvalidTypeError, KVLayout, Offloader
 from aiokv.transfer._cpu import copy_segments
 
 NB = 12  # engine blocks
@@ -148,7 +148,7 @@ def test_copy_plan_address_math() -> None:
     # t1: int8 (2, 5, 7), block_dim=1: 2 segments of 7 B, block stride 7 B, outer stride 35 B.
     t0 = torch.zeros(2, 5, 3, 4, dtype=torch.float16)
     t1 = torch.zeros(2, 5, 7, dtype=torch.int8)
-    layout = KVLayout([t0, t1], block_size=3, block_dim=1)
+    layout = KVLayout([t0, t1], block_size=3, block_dim=1, token_dim=None)  # t1 has no token dimension
     assert layout.slot_bytes == 2 * 24 + 2 * 7 == 62
     p0, p1 = t0.data_ptr(), t1.data_ptr()
     engine, host, nbytes = layout.copy_plan([3, 1], [0, 4], buffer_addr=1000)
@@ -212,7 +212,7 @@ def test_copy_plan_packs_slots_as_documented(
 ) -> None:
     """A slot holds, tensor by tensor, the block's outer segments in row-major order."""
     tensors, block_dim = spec
-    layout = KVLayout(tensors, block_size=1, block_dim=block_dim)
+    layout = KVLayout(tensors, block_size=1, block_dim=block_dim, token_dim=None)
     num_blocks = layout.num_blocks
     blocks = data.draw(st.permutations(range(num_blocks)))
     slots = data.draw(st.permutations(range(num_blocks)))
@@ -225,8 +225,86 @@ def test_copy_plan_packs_slots_as_documented(
         assert got == want
     # And back: loading the slots into a zeroed copy of the tensors restores them exactly.
     clones = [torch.zeros_like(t) for t in tensors]
-    back = KVLayout(clones, block_size=1, block_dim=block_dim)
+    back = KVLayout(clones, block_size=1, block_dim=block_dim, token_dim=None)
     engine2, host2, nbytes2 = back.copy_plan(blocks, slots, host.ctypes.data)
     copy_segments(engine2, host2, nbytes2)
     for t, c in zip(tensors, clones, strict=True):
         assert torch.equal(t, c)
+
+
+def test_block_size_must_match_the_tokens_a_block_holds() -> None:
+    """Regression: ``KVLayout(tensors, block_size=32)`` over tensors whose blocks hold 16 tokens was accepted;
+    every hash then covered 32 tokens while a block held the KV of 16, so a restored block carried the KV of
+    other tokens. The token dimension (right after ``block_dim`` by default) must hold ``block_size``."""
+    kv = [torch.zeros(NB, 16, HEADS, DIM) for _ in range(2)]
+    with pytest.raises(
+        InvalidLayoutError,
+        match=r"block_size must equal the size of the token dimension \(token_dim=1\) of every tensor, got "
+        r"block_size=32 and tensors\[0\] of shape \[12, 16, 2, 8\] holding 16 tokens per block",
+    ):
+        KVLayout(kv, block_size=32)
+    assert KVLayout(kv, block_size=16).token_dim == 1
+    # A stacked (2, num_blocks, block_size, ...) tensor: the token dimension follows block_dim.
+    stacked = torch.zeros(2, NB, 16, DIM)
+    assert KVLayout([stacked], block_size=16, block_dim=1).token_dim == 2
+    with pytest.raises(InvalidLayoutError, match=r"\(token_dim=2\).*got block_size=8 and tensors\[0\]"):
+        KVLayout([stacked], block_size=8, block_dim=1)
+    # Only one tensor of several disagreeing is found too.
+    with pytest.raises(InvalidLayoutError, match=r"tensors\[1\] of shape \[12, 8, 2, 8\] holding 8 tokens"):
+        KVLayout([kv[0], torch.zeros(NB, 8, HEADS, DIM)], block_size=16)
+    # Other layouts name their token dimension; a layout without one opts out of the check.
+    heads_first = torch.zeros(NB, HEADS, 16, DIM)  # (num_blocks, heads, block_size, dim)
+    with pytest.raises(InvalidLayoutError, match=r"holding 2 tokens per block"):
+        KVLayout([heads_first], block_size=16)
+    assert KVLayout([heads_first], block_size=16, token_dim=2).token_dim == 2
+    fused = torch.zeros(NB, 16 * HEADS * DIM)
+    assert KVLayout([fused], block_size=16, token_dim=None).token_dim is None
+    assert KVLayout([fused], block_size=16, token_dim=None).bytes_per_token == HEADS * DIM * 4
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "exc", "match"),
+    [
+        (lambda: [torch.zeros(NB, BS, 2)], {"token_dim": "1"}, InvalidTypeError, r"token_dim must be an int, None or 'after_block_dim', got str"),
+        (lambda: [torch.zeros(NB, BS, 2)], {"token_dim": 1.0}, InvalidTypeError, r"token_dim must be an int, None or 'after_block_dim', got float"),
+        (lambda: [torch.zeros(NB, BS, 2)], {"token_dim": -1}, InvalidArgumentError, r"token_dim must be a non-negative int, got -1"),
+        (lambda: [torch.zeros(NB, BS, 2)], {"token_dim": 0}, InvalidArgumentError, r"token_dim must differ from block_dim, got 0 for both"),
+        (lambda: [torch.zeros(NB, BS * 2)], {"token_dim": 2}, InvalidLayoutError, r"tensors\[0\] has 2 dims; token_dim=2 needs at least 3 \(pass token_dim=None"),
+        (lambda: [torch.zeros(NB * BS)], {}, InvalidLayoutError, r"tensors\[0\] has 1 dims; token_dim=1 needs at least 2"),
+    ],
+)  # fmt: skip
+def test_token_dim_is_validated(make: Callable[[], list[torch.Tensor]], kwargs: dict[str, object], exc: type[Exception], match: str) -> None:  # fmt: skip
+    with pytest.raises(exc, match=match):
+        KVLayout(make(), block_size=BS, **kwargs)  # type: ignore[arg-type]
+
+
+def test_memory_passed_twice_or_overlapping_is_refused() -> None:
+    """``[k0, k0]`` instead of ``[k0, v0]`` would offload K twice and V never, and an expanded (self-
+    overlapping) view would make a load write one byte for several positions: both are refused."""
+    k = torch.zeros(NB, BS, HEADS, DIM)
+    with pytest.raises(
+        InvalidLayoutError,
+        match=r"tensors\[2\] must not share memory with tensors\[0\] \(the same tensor passed twice\?\)",
+    ):
+        KVLayout([k, torch.zeros_like(k), k], block_size=BS)
+    with pytest.raises(InvalidLayoutError, match=r"tensors\[1\] must not share memory with tensors\[0\]"):
+        KVLayout([k, k.view(NB, BS, HEADS * DIM)], block_size=BS)
+    # K and V stacked outside the block dimension: the outer dimension is expanded from one plane.
+    plane = torch.zeros(1, NB, BS, DIM).expand(2, NB, BS, DIM)
+    with pytest.raises(
+        InvalidLayoutError,
+        match=r"tensors\[0\] must not have overlapping elements \(shape \[2, 12, 4, 8\], stride \[0, 32, 8, 1\]\)",
+    ):
+        KVLayout([plane], block_size=BS, block_dim=1)
+    # Interleaved views of one buffer share no element: accepted.
+    kv = torch.zeros(NB, 2, BS, DIM)
+    layout = KVLayout([kv[:, 0], kv[:, 1]], block_size=BS)
+    assert layout.slot_bytes == 2 * BS * DIM * 4
+
+
+def test_a_dimension_of_size_zero_is_refused() -> None:
+    with pytest.raises(
+        InvalidLayoutError,
+        match=r"tensors\[1\] must have no dimension of size 0, got shape \[12, 4, 0, 8\]: a block must hold at least one byte of every tensor",
+    ):
+        KVLayout([torch.zeros(NB, BS, HEADS, DIM), torch.zeros(NB, BS, 0, DIM)], block_size=BS)

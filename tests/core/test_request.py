@@ -116,7 +116,7 @@ async def test_state_is_shown_in_repr_and_transitions() -> None:
         assert "FINISHED" in repr(req)
         eng.release(blocks)
         assert off.get("r") is None  # the id may be reused
-        off.open("r", [1]).abort()
+        await off.open("r", [1]).abort()
 
 
 async def test_preempted_request_resumes_from_its_own_generated_tokens() -> None:
@@ -418,3 +418,60 @@ async def test_a_store_that_cannot_be_submitted_never_hangs_finish(monkeypatch: 
     finally:
         asyncio.get_running_loop().set_exception_handler(None)
     assert any("store for request 'r' failed" in ctx["message"] for ctx in reported)
+
+
+async def test_load_resolves_to_the_tokens_it_restored_and_steps_compute_from_there() -> None:
+    """Regression: with store_partial_last_block, lookup() returned 40 (two full blocks of 16 and 8 tokens of
+    a third), a load of 2 blocks restored 32, and step(50) was accepted although positions 32-39 were never
+    computed. load() resolves to the tokens it restored (the lookup's count only when every block found is
+    loaded), and a step claiming more than that before the load resolved is refused."""
+    eng = SimEngine(block_size=16)
+    off = Offloader(
+        eng.layout, tiers=[CPUTier(capacity_bytes=64 * eng.layout.slot_bytes)], store_partial_last_block=True
+    )
+    async with off:
+        prompt = list(range(40))
+        seed = off.open("seed", prompt)
+        await seed.lookup()
+        blocks = await _prefill_and_decode(
+            eng, seed, prompt, [7]
+        )  # computes 40: blocks 0-1 full, 8 in block 2
+        await seed.finish()
+        eng.release(blocks)
+        turn2 = [*prompt, 7, *range(100, 110)]
+        hashes = running_hashes(turn2)
+
+        # Fewer blocks than found: the load restores exactly those blocks' tokens.
+        short = off.open("short", turn2)
+        assert await short.lookup() == 40
+        dst = eng.alloc(2)
+        assert dst is not None
+        assert await short.load(dst) == 32
+        assert short.num_computed_tokens == 32
+        eng.check_tokens(hashes, dst, 32)
+        await short.abort()
+        eng.release(dst)
+
+        # Every block found: the lookup's count, partial block included.
+        full = off.open("full", turn2)
+        assert await full.lookup() == 40
+        dst = eng.alloc(3)
+        new = eng.alloc(1)
+        assert dst is not None
+        assert new is not None
+        pending = full.load(dst)
+        before = (full.state, full.num_computed_tokens, full.block_ids, len(full.token_ids))
+        with pytest.raises(
+            aiokv.RequestStateError,
+            match=r"num_computed_tokens must be <= 40 \(the tokens restored by the load in flight\) until the "
+            r"load resolved, got 50: await the load",
+        ):
+            full.step(50, new_token_ids=[1], new_block_ids=new)
+        assert (full.state, full.num_computed_tokens, full.block_ids, len(full.token_ids)) == before
+        full.step(40)  # claiming nothing more than the load restores is fine
+        assert await pending == 40
+        eng.check_tokens(hashes, dst, 40)
+        eng.compute(turn2, hashes, dst + new, 40, 50)
+        full.step(50, new_token_ids=[1], new_block_ids=new)  # now computed from the restored count
+        await full.finish()
+        eng.release(dst + new)

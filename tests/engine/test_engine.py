@@ -510,3 +510,46 @@ async def test_bad_generation_arguments_are_clear_errors(
         with pytest.raises(aiokv.InvalidTypeError, match="prompt_token_ids must contain ints"):
             await engine.generate([1.5, 2.0])  # type: ignore[list-item]
         assert engine.healthy
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("seed", range(2))
+async def test_failed_and_corrupt_loads_are_recomputed_and_outputs_match(tiny_model: Transformer, seed: int) -> None:
+    """Faults on every load path: a CPU tier too small for the workload (prefixes come back from a lower tier
+    that fails reads and corrupts entries at rest) and load copies that fail. Every fault is a miss the engine
+    recomputes: tokens and last logits are bitwise those of the recompute run, and the faults really happened."""
+    from ..tiers._memory import MemoryTier
+
+    workload = dict(sessions=4, turns=3, seed=seed, temperature=0.0)
+    cold, _, _, _ = await _run(tiny_model, 20, offload=False, **workload)
+
+    cache = PagedKVCache(tiny_model.config, 20)
+    lower = aiokv.FaultyTier(MemoryTier(), read_fail_rate=0.2, corrupt_rate=0.2, seed=seed)
+    off = aiokv.Offloader(
+        cache.layout(), tiers=[aiokv.CPUTier(capacity_bytes=6 * cache.layout().slot_bytes), lower]
+    )
+    async with off, Engine(tiny_model, cache, offloader=off, max_num_batched_tokens=64) as engine:
+        real_load = off.executor._copy_load
+        calls = 0
+
+        def flaky_load(slots: Any, blocks: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls % 3 == 0:
+                raise OSError("injected load copy failure")
+            real_load(slots, blocks)
+
+        off.executor._copy_load = flaky_load  # type: ignore[method-assign]
+        warm = await asyncio.wait_for(chat(engine, **workload), STALL_S)
+        await engine.wait_idle()
+        stats = off.stats()
+        assert engine.healthy
+        _assert_accounting(engine.stats())
+
+    for rid, c in cold.items():
+        assert warm[rid].output_token_ids == c.output_token_ids, rid
+        assert torch.equal(warm[rid].last_logits, c.last_logits), rid
+    assert stats.load_errors > 0  # copies failed...
+    assert stats.blocks_loaded > 0  # ...others restored
+    faults = lower.stats()
+    assert faults.read_failures + faults.corrupted > 0  # and the lower tier misbehaved
