@@ -82,6 +82,7 @@ def test_metrics_parse_and_counters_move(offload_server: ServerThread) -> None:
         for _ in range(2):
             r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0})
             assert r.status_code == 200
+            offload_server.engine_idle_stats()  # stores complete before the next request looks up
         offload_server.engine_idle_stats()
         after = _scrape(http)
     for name in ("aiokv:prefix_cache_queries", "aiokv:prefix_cache_hits", "aiokv:kv_offload_store_bytes",
@@ -117,6 +118,7 @@ async def test_collector_works_for_any_embedding_server_and_from_another_thread(
         requests = RequestMetrics(registry, labels={"engine": "0"})
         requests.observe_first_token(0.01)
         await engine.generate(list(range(40)), max_tokens=2)
+        await engine.wait_idle()  # its finish resolved: the stores are complete before the next lookup
         await engine.generate(list(range(40)), max_tokens=2)
         await engine.wait_idle()
         text: list[str] = []

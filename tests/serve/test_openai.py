@@ -112,7 +112,7 @@ async def test_async_client_streaming_and_not(offload_server: ServerThread) -> N
     assert "".join(parts) == full.choices[0].text
 
 
-def _conversation(client: openai.OpenAI, turns: int) -> tuple[list[str], list[int]]:
+def _conversation(client: openai.OpenAI, turns: int, server: ServerThread) -> tuple[list[str], list[int]]:
     messages = [{"role": "system", "content": SYSTEM}]
     texts, cached = [], []
     for turn in range(turns):
@@ -126,6 +126,7 @@ def _conversation(client: openai.OpenAI, turns: int) -> tuple[list[str], list[in
         cached.append(out.usage.prompt_tokens_details.cached_tokens or 0)
         texts.append(text)
         messages.append({"role": "assistant", "content": text})
+        server.engine_idle_stats()  # the turn's stores are complete before the next turn looks up
     return texts, cached
 
 
@@ -133,8 +134,8 @@ def test_same_text_with_and_without_offloading(
     offload_server: ServerThread, plain_server: ServerThread
 ) -> None:
     with _client(offload_server) as a, _client(plain_server) as b:
-        offloaded, cached = _conversation(a, 3)
-        recomputed, no_cache = _conversation(b, 3)
+        offloaded, cached = _conversation(a, 3, offload_server)
+        recomputed, no_cache = _conversation(b, 3, plain_server)
     assert offloaded == recomputed
     assert no_cache == [0, 0, 0]
     assert cached[1] > 0
@@ -150,6 +151,7 @@ async def test_concurrent_streams_sharing_a_system_prompt_report_cached_tokens(
         await client.chat.completions.create(
             model="aiokv-tiny", messages=[{"role": "system", "content": system}], max_tokens=1
         )
+        offload_server.engine_idle_stats()  # the warm-up's stores are complete before the sessions look up
         cached: dict[int, int] = {}
 
         async def session(i: int) -> None:
