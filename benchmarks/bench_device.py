@@ -42,9 +42,10 @@ TARGET = 0.9
 
 
 class Device:
-    """The binding under test, its compute stream, and a contiguous-copy baseline."""
+    """The binding under test (CUDA, or the simulated device with ``seed`` and ``jitter_s``), its compute
+    stream, and its memory counters. ``tools/gpu_check.py`` builds its rig on this class."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, *, seed: int = 0, jitter_s: float = 0.0) -> None:
         self.kind = kind
         if kind == "cuda":
             from aiokv._cuda import CudaDevice
@@ -53,7 +54,7 @@ class Device:
             self.compute: Any = torch.cuda.Stream()
             self.torch_device = torch.device("cuda")
         else:
-            self.binding = SimulatedDevice(seed=0)
+            self.binding = SimulatedDevice(seed=seed, jitter_s=jitter_s)
             self.compute = self.binding.new_stream("compute")
             self.torch_device = torch.device("cpu")
 

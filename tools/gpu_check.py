@@ -38,32 +38,24 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the Device of bench_device.py
 
 import torch  # noqa: E402
+from bench_device import Device  # noqa: E402
 
 import aiokv  # noqa: E402
-from aiokv.transfer import SimulatedDevice  # noqa: E402
 
 BS = 16
 LAG_LIMIT_S = 0.020
 WAITER_CPU_LIMIT = 0.05
 
 
-class Rig:
-    """The device under test: binding, compute stream, tensors, and a way to keep the compute stream busy."""
+class Rig(Device):
+    """The device under test (see ``benchmarks/bench_device.py``'s ``Device``), with tensors and a way to keep
+    the compute stream busy."""
 
     def __init__(self, kind: str) -> None:
-        self.kind = kind
-        if kind == "cuda":
-            from aiokv._cuda import CudaDevice
-
-            self.binding: Any = CudaDevice()
-            self.compute: Any = torch.cuda.Stream()
-            self.torch_device = torch.device("cuda")
-        else:
-            self.binding = SimulatedDevice(seed=1, jitter_s=0.00005)
-            self.compute = self.binding.new_stream("compute")
-            self.torch_device = torch.device("cpu")
+        super().__init__(kind, seed=1, jitter_s=0.00005)
 
     def tensors(self, num_blocks: int, n: int = 8, heads: int = 8, head_dim: int = 64) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(3)
@@ -100,24 +92,6 @@ class Rig:
     def launch(self, fn: Callable[[], Any]) -> None:
         self.binding.launch(self.compute, fn)
 
-    def synchronize(self) -> None:
-        if self.kind == "cuda":
-            torch.cuda.synchronize()
-        else:
-            self.binding.synchronize_all()
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated() if self.kind == "cuda" else int(self.binding.allocated_bytes)
-
-    def peak(self) -> int:
-        return torch.cuda.max_memory_allocated() if self.kind == "cuda" else int(self.binding.peak_bytes)
-
-    def reset_peak(self) -> None:
-        if self.kind == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            self.binding.reset_peak()
-
     def offloader(self, layout: aiokv.KVLayout, slots: int, **kwargs: Any) -> aiokv.Offloader:
         return aiokv.Offloader(
             layout,
@@ -126,10 +100,6 @@ class Rig:
             compute_stream=self.compute,
             **kwargs,
         )
-
-    def close(self) -> None:
-        if self.kind == "sim":
-            self.binding.close()
 
 
 def _slot(off: aiokv.Offloader, tokens: list[int], index: int) -> torch.Tensor:

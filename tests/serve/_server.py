@@ -14,20 +14,12 @@ import torch
 from aiokv._bridge import call_in_loop
 from aiokv.engine import ModelConfig, SeqChunk, Transformer
 from aiokv.serve import ServeConfig, ServerHandle, Service
+from aiokv.serve._config import MODEL_PRESETS
 from aiokv.serve._runner import bind, serve
 
 T = TypeVar("T")
 
-TINY = ModelConfig(
-    num_layers=2,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position=8192,
-)
+TINY = ModelConfig(**MODEL_PRESETS["tiny"])  # the model `aiokv serve --model tiny` runs
 START_TIMEOUT = 60.0
 
 
