@@ -203,36 +203,21 @@ def _tier_metrics(f: _Families, tier: str, ts: Any) -> None:
                 1.0 if state == health else 0.0, tier=tier, state=state)  # fmt: skip
     if not fields:
         return
+    capacity: float | None = None
+    used_bytes = 0.0
     if "num_slots" in fields and "used_slots" in fields:  # the CPU tier
         used = fields["used_slots"] / fields["num_slots"] if fields["num_slots"] else 0.0
         f.gauge(
             "kv_offload_cpu_cache_usage_perc", "Fraction of the CPU tier's slots holding blocks (0-1).", used
         )
-        f.gauge(
-            "tier_capacity_bytes",
-            "Bytes a tier can hold.",
-            fields["num_slots"] * fields["slot_bytes"],
-            tier=tier,
-        )
-        f.gauge(
-            "tier_used_bytes",
-            "Bytes of blocks a tier holds.",
-            fields["used_slots"] * fields["slot_bytes"],
-            tier=tier,
-        )
+        capacity = fields["num_slots"] * fields["slot_bytes"]
+        used_bytes = fields["used_slots"] * fields["slot_bytes"]
     elif "num_slots" in fields and "entry_bytes" in fields:  # disk
-        f.gauge(
-            "tier_capacity_bytes",
-            "Bytes a tier can hold.",
-            fields["num_slots"] * fields["entry_bytes"],
-            tier=tier,
-        )
-        f.gauge(
-            "tier_used_bytes",
-            "Bytes of blocks a tier holds.",
-            fields["entries"] * fields["entry_bytes"],
-            tier=tier,
-        )
+        capacity = fields["num_slots"] * fields["entry_bytes"]
+        used_bytes = fields["entries"] * fields["entry_bytes"]
+    if capacity is not None:
+        f.gauge("tier_capacity_bytes", "Bytes a tier can hold.", capacity, tier=tier)
+        f.gauge("tier_used_bytes", "Bytes of blocks a tier holds.", used_bytes, tier=tier)
     counters: tuple[tuple[str, str, Callable[[Mapping[str, Any]], float]], ...] = (
         ("tier_evictions", "Blocks evicted from a tier.", lambda x: x.get("evictions", 0)),
         ("tier_lookups", "Lookups answered by a lower tier.", lambda x: x.get("lookups", 0)),

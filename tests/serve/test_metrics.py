@@ -126,10 +126,23 @@ async def test_collector_works_for_any_embedding_server_and_from_another_thread(
         t.start()
         await anyio.to_thread.run_sync(t.join)  # the scrape thread needs this loop free to answer it
         fams = {f.name: f for f in text_string_to_metric_families(text[0])}
+        stats = off.stats()
     assert fams["aiokv:prefix_cache_hits"].type == "counter"
     assert fams["aiokv:prefix_cache_hits"].samples[0].value == 32.0
     health = {(s.labels["tier"], s.labels["state"]): s.value for s in fams["aiokv:tier_health"].samples}
     assert health[("disk", "up")] == 1.0
     assert health[("disk", "down")] == 0.0
+    capacity = {s.labels["tier"]: s.value for s in fams["aiokv:tier_capacity_bytes"].samples}
+    used = {s.labels["tier"]: s.value for s in fams["aiokv:tier_used_bytes"].samples}
+    cpu_stats, disk_stats = stats.tiers
+    assert capacity == {
+        "cpu": cpu_stats.num_slots * cpu_stats.slot_bytes,
+        "disk": disk_stats.num_slots * disk_stats.entry_bytes,
+    }
+    assert used == {
+        "cpu": cpu_stats.used_slots * cpu_stats.slot_bytes,
+        "disk": disk_stats.entries * disk_stats.entry_bytes,
+    }
+    assert 0 < used["cpu"] <= capacity["cpu"] <= 4 << 20
     assert fams["aiokv:tier_write_bytes"].type == "counter"
     assert fams["aiokv:time_to_first_token_seconds"].type == "histogram"
