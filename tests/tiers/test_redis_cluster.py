@@ -240,7 +240,9 @@ def secure_cluster(
         built.start()
     except RuntimeError as exc:
         if "TLS" in str(exc):
-            pytest.skip(f"{server_binary} is built without TLS support")
+            pytest.skip(
+                f"{server_binary} is built without TLS support (Debian's valkey-server, e.g. bookworm-backports, has it)"
+            )
         raise
     try:
         yield built
@@ -335,7 +337,9 @@ async def test_tls_standalone_server(make_server: Any, server_binary: Binary, tl
         server = make_server(server_binary, security=Security(tls=tls_files))
     except RuntimeError as exc:
         if "TLS" in str(exc):
-            pytest.skip(f"{server_binary} is built without TLS support")
+            pytest.skip(
+                f"{server_binary} is built without TLS support (Debian's valkey-server, e.g. bookworm-backports, has it)"
+            )
         raise
     tier = RedisTier(server.url, namespace="tls", ssl_options=tls_files.client_options())
     await tier.open(entries.spec(PB))
