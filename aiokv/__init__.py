@@ -24,6 +24,7 @@ from ._errors import (
     RequestStateError,
     TierLockedError,
     TransferError,
+    WrongThreadError,
 )
 from ._version import __version__
 
@@ -133,6 +134,7 @@ __all__ = [
     "TierLockedError",
     "TransferError",
     "TransferFuture",
+    "WrongThreadError",
     "__version__",
     "block_hashes",
 ]

@@ -12,6 +12,9 @@ so a scheduler may fire ``step()`` after ``step()`` without waiting and then wai
     req.step(len(prompt), new_token_ids=[tok], new_block_ids=blocks)   # fire and forget
     req.finish().result()                             # only now may the blocks be reused
 
+An engine stepping many requests hands the whole step over at once with :meth:`ThreadBridge.step_batch`
+(one loop hand-over per engine step instead of one per request).
+
 **The reuse guarantee is Request's**: the futures of ``finish()``, ``preempt()`` and ``abort()`` resolve only
 after the loop-side completion resolved, i.e. after every copy touching the request's blocks ended.
 
@@ -25,10 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._errors import ClosedError, InvalidArgumentError
+from ._errors import ClosedError, InvalidArgumentError, InvalidTypeError
 
 if TYPE_CHECKING:
     from ._offloader import Offloader
@@ -122,6 +125,31 @@ class ThreadBridge:
             return ThreadRequest(self, self._off.open(request_id, tokens, salt, extra_keys=extra))
 
         return call_in_loop(self._loop, op)
+
+    def step_batch(
+        self, updates: Iterable[tuple[ThreadRequest, int, Sequence[int], Sequence[int]]]
+    ) -> concurrent.futures.Future[None]:
+        """:meth:`Offloader.step_batch` on the loop, in one hand-over for the whole engine step: each update is
+        ``(thread_request, num_computed_tokens, new_token_ids, new_block_ids)``. The token and block lists are
+        copied here, so the engine may reuse its lists at once. The future holds the error of the first
+        invalid update (the updates before it were applied). Like ``step()``, it need not be waited for."""
+        if isinstance(updates, (str, bytes)) or not isinstance(updates, Iterable):
+            raise InvalidTypeError(f"updates must be an iterable of tuples, got {type(updates).__name__}")
+        batch: list[tuple[Request, int, list[int], list[int]]] = []
+        for update in updates:
+            try:
+                handle, n, toks, ids = update
+            except (TypeError, ValueError):
+                raise InvalidTypeError(
+                    "updates must contain (thread_request, num_computed_tokens, new_token_ids, new_block_ids) "
+                    f"tuples, got {update!r}"
+                ) from None
+            if not isinstance(handle, ThreadRequest):
+                raise InvalidTypeError(
+                    f"updates must name ThreadRequest handles, got {type(handle).__name__}"
+                )
+            batch.append((handle._req, n, list(toks), list(ids)))
+        return call_in_loop(self._loop, lambda: self._off.step_batch(batch))
 
     def stats(self) -> concurrent.futures.Future[OffloaderStats]:
         """:meth:`Offloader.stats`, read on the loop (a consistent snapshot)."""

@@ -115,14 +115,26 @@ def block_hashes(
             raise InvalidArgumentError("parent must be a 32-byte block hash")
         prev = bytes(parent)
     try:
-        packed = struct.pack(f"<{n_full * block_size}q", *token_ids[: n_full * block_size])
+        return chain_hashes(prev, token_ids, block_size, n_full)
     except struct.error as exc:
         raise InvalidArgumentError(f"token_ids must be ints in the int64 range ({exc})") from None
-    stride = block_size * 8
-    out: list[bytes] = []
+
+
+_PACKERS: dict[int, struct.Struct] = {}
+
+
+def chain_hashes(prev: bytes, token_ids: Sequence[int], block_size: int, n_full: int) -> list[bytes]:
+    """The hashes of the first ``n_full`` blocks of ``token_ids``, chained after ``prev``. Arguments are not
+    validated (callers did: ints in the int64 range, ``n_full * block_size <= len(token_ids)``); this is the
+    per-block hot path of :func:`block_hashes` and of a request's incremental chain."""
+    packer = _PACKERS.get(block_size)
+    if packer is None:
+        packer = _PACKERS[block_size] = struct.Struct(f"<{block_size}q")
+    pack = packer.pack
     sha = hashlib.sha256
-    for i in range(n_full):
-        prev = sha(prev + packed[i * stride : (i + 1) * stride]).digest()
+    out: list[bytes] = []
+    for i in range(0, n_full * block_size, block_size):
+        prev = sha(prev + pack(*token_ids[i : i + block_size])).digest()
         out.append(prev)
     return out
 

@@ -29,6 +29,7 @@ class RequestHost(Protocol):
     store_partial_last_block: bool
     _counters: Counters
     _device: Any
+    _num_blocks: int
     _thread: int | None
 
     @property

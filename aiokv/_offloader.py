@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -26,7 +26,7 @@ from ._errors import (
 from ._hashing import _canon, check_token_ids
 from ._layout import KVLayout
 from ._log import Throttled, get_logger
-from ._request import Request
+from ._request import Request, StepUpdate, step_batch
 from ._stats import Counters, OffloaderStats
 from .tiers._base import BackingTier, TierSpec
 from .tiers._cpu import CPUTier
@@ -115,6 +115,7 @@ class Offloader:
         device = self._resolve_device(layout, device)
         self.layout = layout
         self.block_size = layout.block_size
+        self._num_blocks = layout.num_blocks  # read on every step(): an attribute, not a property chain
         self.store_partial_last_block = bool(store_partial_last_block)
         self._compute_stream = compute_stream
         self._device = device
@@ -141,6 +142,7 @@ class Offloader:
         self._log_tier = Throttled(_log, logging.WARNING, "failed lower-tier reads")
         # Bound once: completion callbacks are per copy, and the control path avoids allocating per copy.
         self._store_done_cb = self._store_done
+        self._tick_store: TransferFuture | None = None  # the store future later stores of this tick may join
         self._load_done_cb = self._load_done
 
     # ------------------------------------------------------------- lifecycle
@@ -368,6 +370,18 @@ class Offloader:
         req._start()
         return req
 
+    def step_batch(self, updates: Iterable[StepUpdate]) -> None:
+        """Report one engine step for many requests: each update is a
+        ``(request, num_computed_tokens, new_token_ids, new_block_ids)`` tuple, applied exactly as
+        ``request.step(num_computed_tokens, new_token_ids, new_block_ids)`` would be, in order.
+
+        The per-engine-step form of :meth:`Request.step` (as vLLM's connector gets one scheduler output per
+        step): one call per engine iteration, and through :meth:`aiokv.ThreadBridge.step_batch` one hand-over
+        to the loop per iteration for an engine running in another thread. An invalid update raises the error
+        ``step()`` raises for it; the updates before it were applied, it and those after it were not.
+        Synchronous, like ``step()``."""
+        step_batch(self, updates)
+
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(str(request_id))
 
@@ -419,16 +433,23 @@ class Offloader:
         return self._submit_store([key], [slot], [block_id], mark)
 
     def _submit_store(self, keys: list[bytes], slots: list[int], ids: list[int], mark: Any) -> TransferFuture:
+        # Stores accepted in the same loop tick (from any request) join one TransferFuture: one completion and
+        # one index update per tick instead of one per stored block. Each request still tracks that future.
+        join = self._tick_store
         try:
-            tf = self.executor._submit("store", ids, slots, mark)
+            tf = self.executor._submit("store", ids, slots, mark, join=join)
         except BaseException:
             # Nothing was queued: the reservations must not stay pending (a later store of the same blocks
             # would be taken for a duplicate and never happen).
             for key in keys:
                 self._index.discard(key)
             raise
-        tf.context = keys
-        tf.add_done_callback(self._store_done_cb)
+        if tf is join:
+            tf.context.extend(keys)
+        else:
+            tf.context = keys
+            tf.add_done_callback(self._store_done_cb)
+            self._tick_store = tf
         return tf
 
     def _store_not_submitted(self, request_id: str, exc: BaseException) -> None:

@@ -24,11 +24,11 @@ import enum
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ClosedError, InvalidArgumentError, InvalidTypeError, RequestStateError, TransferError
-from ._hashing import block_hashes, chain_seed, check_token_ids, partial_block_hash
+from ._hashing import _I64_MAX, _I64_MIN, chain_hashes, chain_seed, check_token_ids, partial_block_hash
 from .transfer._future import TransferFuture, resolve
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ class RequestState(enum.Enum):
 _EMPTY: list[int] = []
 _ENDED = (RequestState.FINISHING, RequestState.FINISHED, RequestState.ABORTED)
 _ADMITTING = (RequestState.WAITING, RequestState.PREEMPTED)
+_RUNNING = RequestState.RUNNING  # module constants: read on every step
 
 
 class _Ev(enum.Enum):
@@ -336,21 +337,77 @@ class Request:
         tokens it restores can be computed: a step claiming more is refused until the load resolved (on a
         device: until ``wait_submitted()`` returned, after which ``order_before()`` orders the forward).
         """
+        # The hot path of every engine step: a running request fed plain ``int`` lists or tuples that pass
+        # every check is updated inline; anything else (numpy, tensors, int-likes, other states, any doubt)
+        # goes to _apply_step_general, which decides it the usual way and raises the usual errors.
         off = self._off
         if _get_ident() != off._thread:
             raise off._wrong_thread("step")
+        n, toks, ids = num_computed_tokens, new_token_ids, new_block_ids
+        tk, ik = type(toks), type(ids)
+        if (
+            self.state is not _RUNNING
+            or self._abort_requested
+            or self._hit_blocks is not None
+            or type(n) is not int
+            or n < self.num_computed_tokens
+            or (tk is not list and tk is not tuple)
+            or (ik is not list and ik is not tuple)
+        ):
+            return self._apply_step_general(n, toks, ids)
+        nt = len(toks)
+        if nt == 1:  # a decode step; the literals are the int64 range
+            t = toks[0]
+            if type(t) is not int or t < -0x8000000000000000 or t > 0x7FFFFFFFFFFFFFFF:
+                return self._apply_step_general(n, toks, ids)
+        elif nt and not all(type(t) is int and _I64_MIN <= t <= _I64_MAX for t in toks):
+            return self._apply_step_general(n, toks, ids)
+        bs = off.block_size
+        token_ids = self.token_ids
+        blocks = self._blocks
+        if ids:
+            held = self._block_set
+            num_blocks = off._num_blocks
+            if (
+                not all(type(b) is int and 0 <= b < num_blocks and b not in held for b in ids)
+                or (len(ids) > 1 and len(set(ids)) != len(ids))
+                or n > len(token_ids) + nt
+                or n > (len(blocks) + len(ids)) * bs
+            ):
+                return self._apply_step_general(n, toks, ids)
+            blocks.extend(ids)
+            held.update(ids)
+        elif n > len(token_ids) + nt or n > len(blocks) * bs:
+            return self._apply_step_general(n, toks, ids)
+        if nt:
+            token_ids.extend(toks)
+        self.num_computed_tokens = n
+        full = n // bs
+        upto = self._stored_upto
+        if full > upto:
+            self._stored_upto = full
+            # The KV of this step may still be queued on the compute stream: the store waits for this point.
+            self._queue_store(
+                (upto, full, blocks, off._mark() if off._device is not None else None, self._epoch)
+            )
+        return None
+
+    def _apply_step_general(self, num_computed_tokens: Any, new_token_ids: Any, new_block_ids: Any) -> None:
+        """Every step the fast path did not take: validates everything before changing anything (a rejected
+        step leaves the request as it was), then applies it."""
+        off = self._off
         state = self.state
-        if state in _ENDED or self._abort_requested:
+        if self._abort_requested or state in _ENDED:
             raise RequestStateError(
                 f"step() after the request ended: request {self.request_id!r} is {state.value}"
             )
-        if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int):
-            raise InvalidTypeError(
-                f"num_computed_tokens must be an int, got {type(num_computed_tokens).__name__}"
-            )
+        n = num_computed_tokens
+        if type(n) is not int:
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise InvalidTypeError(f"num_computed_tokens must be an int, got {type(n).__name__}")
+            n = int(n)
         blocks = self._blocks
-        # Validate everything before changing anything: a rejected step leaves the request as it was.
-        ids: list[int] = []
+        ids: list[int] = _EMPTY
         if len(new_block_ids):
             ids = off.layout.check_block_ids(new_block_ids, "new_block_ids")
             held = self._block_set
@@ -360,12 +417,11 @@ class Request:
                         f"new_block_ids must not repeat a block the request holds, got {b}"
                     )
         toks = check_token_ids(new_token_ids, "new_token_ids") if len(new_token_ids) else _EMPTY
-        n = num_computed_tokens
-        if n < self.num_computed_tokens:
-            raise InvalidArgumentError(
-                f"num_computed_tokens must not decrease, got {n} after {self.num_computed_tokens}"
-            )
-        known = len(self.token_ids) + len(toks)
+        computed = self.num_computed_tokens
+        if n < computed:
+            raise InvalidArgumentError(f"num_computed_tokens must not decrease, got {n} after {computed}")
+        token_ids = self.token_ids
+        known = len(token_ids) + len(toks)
         if n > known:
             raise InvalidArgumentError(f"num_computed_tokens must be <= known tokens ({known}), got {n}")
         bs = off.block_size
@@ -374,29 +430,38 @@ class Request:
             raise InvalidArgumentError(
                 f"num_computed_tokens must fit in the request's {nblocks} blocks of {bs} tokens, got {n}"
             )
-        if state is RequestState.LOADING and n > self.num_computed_tokens:
+        if state is RequestState.LOADING and n > computed:
             self._check_load_usable(n)
         full = n // bs
+        stored_upto = self._stored_upto
         # The KV of this step may still be queued on the compute stream: the store waits for this point.
-        mark = off._mark() if full > self._stored_upto else None
+        mark = off._mark() if full > stored_upto and off._device is not None else None
         if ids:
             blocks.extend(ids)
             self._block_set.update(ids)
         if toks:
-            self.token_ids.extend(toks)
+            token_ids.extend(toks)
         if self._hit_blocks is not None:
             # Stepping without load(): the lookup's pins are no longer needed (a LOAD of nothing releases them).
             self._hit_blocks = None
             self._post_nowait(_Ev.LOAD, (_EMPTY, None, None, 0, self._epoch))
         self.num_computed_tokens = n
-        if state is not RequestState.LOADING and state is not RequestState.RUNNING:
+        if state is not RequestState.RUNNING and state is not RequestState.LOADING:
             self.state = RequestState.RUNNING
             self._epoch += 1  # admission is over: a lookup still in flight no longer applies
-        if full > self._stored_upto:
-            start = self._stored_upto
+        if full > stored_upto:
             self._stored_upto = full
             # The block list is only ever appended to (preempt/load replace it), so positions < full are stable.
-            self._post_nowait(_Ev.STORE, (start, full, blocks, mark, self._epoch))
+            self._queue_store((stored_upto, full, blocks, mark, self._epoch))
+
+    def _queue_store(self, payload: tuple[int, int, list[int], Any, int]) -> None:
+        waiter = self._waiter
+        if self._events or waiter is None or waiter.done():
+            self._post_nowait(_Ev.STORE, payload)
+        else:
+            # The task is parked with nothing queued: it would run this store first thing when it wakes.
+            # Submitting it here is the same order without a task wake-up per stored block.
+            self._store(payload)
 
     def wait_processed(self) -> _Completion:
         """Resolve once the request's task has processed every event posted before this call (stores of
@@ -526,16 +591,9 @@ class Request:
         have = len(hashes)
         if n_blocks > have:
             bs = self._off.block_size
-            hashes.extend(
-                block_hashes(
-                    self.token_ids[have * bs : n_blocks * bs],
-                    bs,
-                    salt=self.salt,
-                    extra_keys=self.extra_keys,
-                    root=self._off.layout.root,
-                    parent=hashes[-1] if hashes else None,
-                )
-            )
+            # Token ids were validated by open() and step(): the unchecked hot path is safe here.
+            prev = hashes[-1] if hashes else self._parent(0)
+            hashes.extend(chain_hashes(prev, self.token_ids[have * bs : n_blocks * bs], bs, n_blocks - have))
         return hashes
 
     async def _run(self) -> None:
@@ -660,7 +718,14 @@ class Request:
         if epoch == self._failed_epoch:
             self._off._counters.stores_invalidated += end - start
             return
-        self._guarded(self._do_store, start, end, blocks, mark)
+        # What _guarded() does, inline: this runs for every stored block of every request.
+        try:
+            tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark)
+        except Exception as exc:
+            self._off._store_not_submitted(self.request_id, exc)
+            return
+        if tf is not None:
+            self._track(tf)
 
     def _store_partial(self, payload: tuple[int, int, int, Any, int]) -> None:
         index, block_id, k, mark, epoch = payload
@@ -698,11 +763,6 @@ class Request:
             self._off._unpin(self._pinned)
             self._pinned = []
             self._pinned_slots = []
-
-    def _do_store(self, start: int, end: int, blocks: list[int], mark: Any) -> None:
-        tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark)
-        if tf is not None:
-            self._track(tf)
 
     def _parent(self, index: int) -> bytes:
         if index == 0:
@@ -809,3 +869,32 @@ class Request:
 
 RequestHandle = Request
 """Alias of :class:`Request`: the name the API contract gives the object returned by ``Offloader.open``."""
+
+
+StepUpdate = tuple[Request, int, Sequence[int], Sequence[int]]
+
+
+def step_batch(off: RequestHost, updates: Iterable[StepUpdate]) -> None:
+    """:meth:`Request.step` for many requests in one call (see :meth:`aiokv.Offloader.step_batch`): each
+    update is checked for its shape and its request's offloader, then applied by that request's ``step()``,
+    so the two cannot disagree."""
+    if _get_ident() != off._thread:
+        raise off._wrong_thread("step_batch")
+    if isinstance(updates, (str, bytes)) or not isinstance(updates, Iterable):
+        raise InvalidTypeError(f"updates must be an iterable of tuples, got {type(updates).__name__}")
+    for update in updates:
+        try:
+            req, n, toks, ids = update
+        except (TypeError, ValueError):
+            raise InvalidTypeError(
+                "updates must contain (request, num_computed_tokens, new_token_ids, new_block_ids) tuples, "
+                f"got {update!r}"
+            ) from None
+        if type(req) is not Request or req._off is not off:
+            if not isinstance(req, Request):
+                raise InvalidTypeError(f"updates must name Request objects, got {type(req).__name__}")
+            if req._off is not off:
+                raise InvalidArgumentError(
+                    f"updates must name requests of this offloader, got request {req.request_id!r} of another"
+                )
+        req.step(n, toks, ids)

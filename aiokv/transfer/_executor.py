@@ -208,11 +208,33 @@ class TransferExecutor:
 
     # ------------------------------------------------------------------ submission
     def _submit(
-        self, kind: str, block_ids: Sequence[int], slot_ids: Sequence[int], mark: Mark | None = None
+        self,
+        kind: str,
+        block_ids: list[int],
+        slot_ids: list[int],
+        mark: Mark | None = None,
+        *,
+        join: TransferFuture | None = None,
     ) -> TransferFuture:
-        """Accept a copy (arguments already validated). Loop thread only."""
+        """Accept a copy (arguments already validated, lists the executor may keep). Loop thread only.
+
+        ``join``: a copy returned earlier by this method; when it is still waiting for this tick's flush (same
+        kind, same mark), the blocks are added to it and it is returned, so a tick's stores from many requests
+        complete as one future (they are one copy on the stream anyway, and share its outcome)."""
         if self._closed:
             raise ClosedError("transfer executor is closed")
+        if join is not None and join.mark is mark:
+            pending = self._pending[0 if kind == "store" else 1]
+            if pending and pending[-1] is join:
+                n = len(block_ids)
+                nbytes = n * self._layout.slot_bytes
+                join.block_ids.extend(block_ids)  # type: ignore[attr-defined]
+                join.slot_ids.extend(slot_ids)  # type: ignore[attr-defined]
+                join.num_blocks += n
+                join.nbytes += nbytes
+                self._in_flight_bytes += nbytes
+                self._submitted += 1
+                return join
         tf = TransferFuture(
             self._loop,
             kind,

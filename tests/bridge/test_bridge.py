@@ -170,3 +170,44 @@ def test_the_example_runs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "outputs matched the recompute run" in proc.stdout
+
+
+@pytest.mark.asyncio
+async def test_a_sync_engine_hands_each_engine_step_over_once_with_step_batch() -> None:
+    """Two requests prefill and decode through ThreadBridge.step_batch (one hand-over per engine step, the
+    engine reusing its own lists at once); their full blocks are stored and a follow-up finds them. A bad
+    update's error comes back in the batch's future, after the updates before it were applied."""
+    eng = SimEngine(num_blocks=16)
+    bs = eng.block_size
+    prompts = [list(range(100, 100 + 2 * bs)), list(range(300, 300 + 2 * bs + 3))]
+
+    def engine(bridge: ThreadBridge, eng: SimEngine) -> None:
+        reqs = [bridge.open(f"r{i}", p).result(WAIT) for i, p in enumerate(prompts)]
+        tables = [eng.alloc(3) or [] for _ in reqs]
+        tokens = [list(p) for p in prompts]
+        updates: list[tuple[ThreadRequest, int, list[int], list[int]]] = []
+        for req, toks, blocks in zip(reqs, tokens, tables, strict=True):
+            eng.compute(toks, running_hashes(toks), blocks, 0, len(toks))
+            updates.append((req, len(toks), [7], blocks))
+        assert bridge.step_batch(updates).result(WAIT) is None
+        for _, _, sampled, blocks in updates:
+            sampled.clear()  # the bridge copied them: reusing the engine's lists changes nothing
+            blocks.clear()
+        for toks in tokens:
+            toks.append(7)
+        bad = bridge.step_batch([(reqs[0], len(tokens[0]), [8], []), (reqs[1], 0, [], [])])
+        with pytest.raises(aiokv.InvalidArgumentError, match=r"num_computed_tokens must not decrease"):
+            bad.result(WAIT)
+        with pytest.raises(aiokv.InvalidTypeError, match=r"updates must name ThreadRequest handles"):
+            bridge.step_batch([("r0", 1, [], [])])  # type: ignore[list-item]
+        for req in reqs:
+            req.finish().result(WAIT)
+        for blocks in tables:
+            eng.release(blocks)
+        stats = bridge.stats().result(WAIT)
+        assert stats.blocks_stored == 4
+        again = bridge.open("again", [*prompts[1], 7, 1]).result(WAIT)
+        assert again.lookup().result(WAIT) == 2 * bs
+        again.abort().result(WAIT)
+
+    await _in_thread(engine, eng)

@@ -276,6 +276,82 @@ async def test_failed_store_is_discarded_never_visible_and_counted(
         await probe.abort()
 
 
+@pytest.mark.asyncio
+async def test_a_store_joins_the_store_future_of_its_tick_only_while_that_one_waits_for_the_flush() -> None:
+    """``_submit(join=tf)`` adds blocks to ``tf`` while it is the last copy of its kind accepted this tick (same
+    mark); after the flush, for another kind, or for another mark, it is a copy of its own."""
+    layout = make_layout()
+    ex = TransferExecutor(layout, make_host(layout), asyncio.get_running_loop())
+    try:
+        first = ex._submit("store", [0], [0])
+        assert ex._submit("store", [1, 2], [1, 2], join=first) is first
+        assert (first.block_ids, first.slot_ids, first.num_blocks) == ([0, 1, 2], [0, 1, 2], 3)
+        assert first.nbytes == 3 * layout.slot_bytes == ex.stats().in_flight_bytes
+        other_mark = ex._submit("store", [3], [3], object(), join=first)
+        assert other_mark is not first
+        assert ex._submit("store", [4], [4], join=first) is not first  # no longer the last of the tick
+        load = ex._submit("load", [8], [8], join=other_mark)
+        assert load is not other_mark
+        assert load.kind == "load"
+        await asyncio.sleep(0)  # the flush
+        assert first.submitted
+        later = ex._submit("store", [5], [5], join=first)
+        assert later is not first
+        assert later.block_ids == [5]
+        for tf in (first, other_mark, load, later):
+            await tf
+        assert slot_bytes_of(layout, ex._host, 2) == block_bytes_of(layout, 2)  # joined blocks were copied
+    finally:
+        await ex.aclose()
+
+
+@pytest.mark.asyncio
+async def test_stores_of_one_tick_from_many_requests_complete_together_and_fail_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three requests complete a block each in the same tick: their stores are one future (one completion,
+    one index update), each request waits for it before its blocks are reusable, and when that copy fails
+    every block of it is dropped (none becomes visible), as when the stream ran them as one copy before."""
+    fail = threading.Event()
+    real = TransferExecutor._copy_store
+
+    def maybe_failing(ex: TransferExecutor, a: Sequence[int], b: Sequence[int]) -> None:
+        if fail.is_set():
+            raise OSError("injected copy failure")
+        real(ex, a, b)
+
+    monkeypatch.setattr(TransferExecutor, "_copy_store", maybe_failing)
+    layout = make_layout()
+    async with Offloader(layout, [CPUTier(capacity_bytes=8 * layout.slot_bytes)]) as off:
+        for failing in (True, False):
+            if failing:
+                fail.set()
+            else:
+                fail.clear()
+            reqs = [off.open(f"r{i}-{failing}", [100 * i + j for j in range(BS + 1)]) for i in range(3)]
+            for r in reqs:
+                await r.wait_processed()  # each task is parked: step() submits the store itself
+            for i, r in enumerate(reqs):  # one tick
+                r.step(BS, new_block_ids=[i])
+            futures = {tf for r in reqs for tf in r._in_flight}
+            assert len(futures) == 1
+            (tf,) = futures
+            assert sorted(tf.block_ids) == [0, 1, 2]
+            for r in reqs:
+                await r.finish()
+            assert tf.done()
+            stats = off.stats()
+            if failing:
+                assert (stats.store_errors, stats.blocks_stored) == (3, 0)
+            else:
+                assert (stats.store_errors, stats.blocks_stored) == (3, 3)
+            off.cpu.index.check_invariants()
+            for i in range(3):
+                probe = off.open(f"p{i}", [100 * i + j for j in range(BS + 1)])
+                assert await probe.lookup() == (0 if failing else BS)
+                await probe.abort()
+
+
 # ----------------------------------------------------------------------------------- cancellation
 @pytest.mark.asyncio
 async def test_cancelling_an_awaiter_does_not_cancel_the_copy(gate: Gate) -> None:

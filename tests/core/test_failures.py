@@ -117,10 +117,10 @@ async def test_a_load_that_cannot_be_submitted_releases_its_pins_at_once(
         await _serve(eng, off, "seed", prompt)
         real = aiokv.TransferExecutor._submit
 
-        def refuse_loads(self: aiokv.TransferExecutor, kind: str, *args: Any) -> aiokv.TransferFuture:
+        def refuse_loads(self: aiokv.TransferExecutor, kind: str, *args: Any, **kw: Any) -> aiokv.TransferFuture:
             if kind == "load":
                 raise RuntimeError("injected submission failure")
-            return real(self, kind, *args)
+            return real(self, kind, *args, **kw)
 
         monkeypatch.setattr(aiokv.TransferExecutor, "_submit", refuse_loads)
         req = off.open("r", prompt)
@@ -148,11 +148,11 @@ async def test_a_store_that_cannot_be_submitted_releases_its_reservations(
     real = aiokv.TransferExecutor._submit
     failures = [1]
 
-    def refuse_once(self: aiokv.TransferExecutor, kind: str, *args: Any) -> aiokv.TransferFuture:
+    def refuse_once(self: aiokv.TransferExecutor, kind: str, *args: Any, **kw: Any) -> aiokv.TransferFuture:
         if kind == "store" and failures:
             failures.pop()
             raise RuntimeError("injected submission failure")
-        return real(self, kind, *args)
+        return real(self, kind, *args, **kw)
 
     reported: list[dict[str, Any]] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: reported.append(ctx))

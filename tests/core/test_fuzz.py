@@ -187,7 +187,9 @@ class _Fuzz:
         if s is None:
             return
         r = s.req
-        bad = self.draw(st.sampled_from(["none", "none", "none", "decrease", "beyond", "type", "repeat"]))
+        bad = self.draw(
+            st.sampled_from(["none", "none", "none", "decrease", "beyond", "type", "repeat", "batch"])
+        )
         if bad == "decrease" and s.computed:
             self.invalid(s, lambda: r.step(s.computed - 1))
         elif bad == "beyond":
@@ -196,6 +198,8 @@ class _Fuzz:
             self.invalid(s, lambda: r.step(float(s.computed)))  # type: ignore[arg-type]
         elif bad == "repeat" and s.blocks:
             self.invalid(s, lambda: r.step(s.computed, new_block_ids=[s.blocks[0]]))
+        elif bad == "batch" and s.blocks:
+            self.invalid(s, lambda: self.off.step_batch([(r, s.computed, [], [s.blocks[-1]])]))
         known = len(s.tokens)
         k = self.draw(st.integers(0, known - s.computed)) if s.computed < known else 0
         end = s.computed + k
@@ -206,7 +210,10 @@ class _Fuzz:
         hashes = running_hashes(s.tokens)
         self.eng.compute(s.tokens, hashes, s.blocks + new, s.computed, end)
         sampled = [self.draw(st.integers(0, 49))] if end == known and self.draw(st.booleans()) else []
-        r.step(end, new_token_ids=sampled, new_block_ids=new)
+        if self.draw(st.booleans()):
+            r.step(end, new_token_ids=sampled, new_block_ids=new)
+        else:  # the per-engine-step form must behave the same
+            self.off.step_batch([(r, end, sampled, new)])
         s.tokens += sampled
         s.blocks += new
         s.computed = end

@@ -240,8 +240,8 @@ async def test_cancelled_load_after_submission_keeps_blocks_guarded(monkeypatch:
         submitted = asyncio.Event()
         orig = aiokv.TransferExecutor._submit
 
-        def spy(self: aiokv.TransferExecutor, kind: str, *args: Any) -> aiokv.TransferFuture:
-            tf = orig(self, kind, *args)
+        def spy(self: aiokv.TransferExecutor, kind: str, *args: Any, **kw: Any) -> aiokv.TransferFuture:
+            tf = orig(self, kind, *args, **kw)
             if kind == "load":
                 submitted.set()
             return tf
