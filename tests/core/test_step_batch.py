@@ -1,9 +1,9 @@
-"""``Offloader.step_batch``: the per-engine-step form of ``Request.step``.
+"""``Request.step``'s inline path and ``Offloader.step_batch``, the per-engine-step form of ``step()``.
 
-It must be indistinguishable from calling ``step()`` for each update in order: the same block tables, token
-lists and stored blocks, the same errors (with the updates before a bad one applied and the rest not), on
-plain lists and tuples (its inline path) and on everything else (numpy arrays, tensors, int-likes, requests
-that are not running: the general path).
+``step()`` takes an inline path for a running request fed plain ``int`` lists or tuples, and a general path
+(validate everything, then apply) for everything else. The inline path must be indistinguishable from the
+general one, and ``step_batch`` from ``step()`` per update in order: the same block tables, token lists and
+stored blocks, the same errors (with the updates before a bad one applied and the rest not).
 """
 
 from __future__ import annotations
@@ -104,10 +104,11 @@ class _Driver:
 
 
 @pytest.mark.parametrize("seed", range(8))
-async def test_step_batch_behaves_like_step_for_each_update_in_order(seed: int) -> None:
+async def test_step_batch_and_the_inline_path_behave_like_the_general_path(seed: int) -> None:
     """Two offloaders, the same seeded schedule of valid and invalid updates for 8 requests: one applies each
-    batch with step() per update (stopping at the first error, as a batch does), the other with step_batch().
-    Every error, every request's state and every stored block must be the same."""
+    batch through the general path only (validate, then apply; stopping at the first error, as a batch does),
+    the other with step_batch() (step(), inline path where it applies). Every error, every request's state and
+    every stored block must be the same."""
     rng_a, rng_b = random.Random(seed), random.Random(seed)
     eng_a, eng_b = SimEngine(block_size=BS, num_blocks=256), SimEngine(block_size=BS, num_blocks=256)
     prompts = [[random.Random(seed * 100 + i).randrange(50) for _ in range(3 + 5 * i)] for i in range(8)]
@@ -124,7 +125,7 @@ async def test_step_batch_behaves_like_step_for_each_update_in_order(seed: int) 
 
             def per_update(ups: Sequence[tuple[Any, ...]] = ups_a) -> None:
                 for req, n, toks, ids in ups:
-                    req.step(n, toks, ids)
+                    req._apply_step_general(n, toks, ids)  # the reference: never the inline path
 
             err_a = _error(per_update)
             err_b = _error(lambda ups=ups_b: off_b.step_batch(ups))
