@@ -6,8 +6,17 @@ plain function that never awaits, so each call is atomic with respect to the eve
 - A stored block starts ``PENDING`` (its copy is in flight, it is invisible to lookups and cannot be evicted),
   becomes ``READY`` on :meth:`commit` or disappears on :meth:`discard` (failed copy).
 - ``READY`` entries are visible; they are evictable unless pinned (a load or a write-through reads them).
-- Eviction happens only inside :meth:`reserve`, takes the policy's first unpinned candidate, and removes the
-  entry from the map, the policy and the slot table in one step.
+- Eviction happens only inside :meth:`reserve` (and :meth:`insert_chain`, a reserve + commit per key), takes
+  the policy's first unpinned candidate, and removes the entry from the map, the policy and the slot table in
+  one step.
+
+Fast paths, each the same sequence of policy operations as the plain per-key code (``aiokv replay`` runs
+through them millions of times; tests/tiers/test_index_fastpath.py pins them to a per-block reference):
+while nothing is pinned the first candidate is the victim, so eviction asks the policy to pop it
+(``EvictionPolicy._pop_victim``, O(1) for the built-in policies) instead of iterating ``candidates()``;
+:meth:`insert_chain` inlines reserve + commit (an evicted slot is reused at once, as the free list would hand
+it back), and with the LRU policy :meth:`insert_chain` and :meth:`touch_prefix` also inline the policy's list
+operations.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .._errors import InvalidArgumentError
-from ._policies import EvictionPolicy
+from ._policies import EvictionPolicy, LRUPolicy, _RecencyList
 
 __all__ = ["BlockIndex", "EntryState", "IndexStats"]
 
@@ -250,15 +259,20 @@ class BlockIndex:
 
     def _evict_one(self) -> bool:
         slots = self._slots
-        pins = self._pins
-        victim: bytes | None = None
-        for key in self.policy.candidates():
-            if pins[slots[key]] == 0:
-                victim = key
-                break
-        if victim is None:
-            return False
-        self.policy.remove(victim, evicted=True)
+        if self._pinned == 0:  # every candidate is evictable: the policy pops its first one
+            victim = self.policy._pop_victim()
+            if victim is None:
+                return False
+        else:
+            pins = self._pins
+            victim = None
+            for key in self.policy.candidates():
+                if pins[slots[key]] == 0:
+                    victim = key
+                    break
+            if victim is None:
+                return False
+            self.policy.remove(victim, evicted=True)
         self._release(victim, slots[victim])
         self._evictions += 1
         if self.on_evict is not None:
@@ -272,7 +286,10 @@ class BlockIndex:
         for :meth:`pin_prefix`."""
         slots = self._slots
         state = self._state
-        touch = self.policy.touch
+        policy = self.policy
+        if type(policy) is LRUPolicy:
+            return self._touch_prefix_lru(keys, start, policy._list)
+        touch = policy.touch
         n = 0
         for i in range(start, len(keys)):
             key = keys[i]
@@ -283,9 +300,163 @@ class BlockIndex:
             n += 1
         return n
 
+    def _touch_prefix_lru(self, keys: Sequence[bytes], start: int, lst: _RecencyList) -> int:
+        # touch_prefix with LRUPolicy.touch inlined (push(key, its parent) for each READY key).
+        slots = self._slots
+        state = self._state
+        order = lst._order
+        run = lst._run
+        move = order.move_to_end
+        last = lst._last
+        n = 0
+        for i in range(start, len(keys)):
+            key = keys[i]
+            slot = slots.get(key)
+            if slot is None or state[slot] != _READY:
+                break
+            p = order[key]
+            if p is None or p != last or key in run:
+                if len(run) > 1:
+                    for k in reversed(run):
+                        move(k)
+                run.clear()
+            move(key)
+            run[key] = None
+            last = key
+            n += 1
+        lst._last = last
+        return n
+
     def insert_chain(self, keys: Sequence[bytes], start: int = 0) -> int:
         """:meth:`insert_ready` ``(keys[i], parent=keys[i - 1], depth=i)`` for each ``i >= start``, head first;
         return how many keys were inserted. Present keys are touched; a key that finds no room is skipped."""
+        if self._pinned:  # pins make eviction skip candidates: take the general path
+            return self._insert_chain_slow(keys, start)
+        if type(self.policy) is LRUPolicy:
+            return self._insert_chain_lru(keys, start, self.policy._list)
+        # reserve + commit inlined; an evicted slot is reused at once (reserve would free it and pop it back).
+        slots = self._slots
+        state = self._state
+        free = self._free
+        key_of = self._keys
+        parent_of = self._parent
+        depth_of = self._depth
+        policy = self.policy
+        insert = policy.insert
+        touch = policy.touch
+        pop_victim = policy._pop_victim
+        on_evict = self.on_evict
+        parent = keys[start - 1] if start > 0 else None
+        inserted = 0
+        evicted = 0
+        rejected = 0
+        for i in range(start, len(keys)):
+            key = keys[i]
+            slot = slots.get(key)
+            if slot is not None:
+                if state[slot] == _READY:
+                    touch(key)
+                parent = key
+                continue
+            if free:
+                slot = free.pop()
+            else:
+                victim = pop_victim()
+                if victim is None:
+                    rejected += 1
+                    parent = key
+                    continue
+                slot = slots.pop(victim)  # key_of[slot] is overwritten below
+                evicted += 1
+                if on_evict is not None:
+                    on_evict.append(victim)
+            slots[key] = slot
+            key_of[slot] = key
+            state[slot] = _READY
+            parent_of[slot] = parent
+            depth_of[slot] = i
+            insert(key, parent, i)
+            inserted += 1
+            parent = key
+        self._evictions += evicted
+        self._rejected += rejected
+        return inserted
+
+    def _insert_chain_lru(self, keys: Sequence[bytes], start: int, lst: _RecencyList) -> int:
+        # insert_chain with LRUPolicy's insert, touch and _pop_victim inlined (the same operations on its list).
+        slots = self._slots
+        state = self._state
+        free = self._free
+        key_of = self._keys
+        parent_of = self._parent
+        depth_of = self._depth
+        on_evict = self.on_evict
+        order = lst._order
+        run = lst._run
+        move = order.move_to_end
+        popitem = order.popitem
+        last = lst._last
+        parent = keys[start - 1] if start > 0 else None
+        inserted = 0
+        evicted = 0
+        rejected = 0
+        for i in range(start, len(keys)):
+            key = keys[i]
+            slot = slots.get(key)
+            if slot is not None:
+                if state[slot] == _READY:  # touch: push(key, its parent)
+                    p = order[key]
+                    if p is None or p != last or key in run:
+                        if len(run) > 1:
+                            for k in reversed(run):
+                                move(k)
+                        run.clear()
+                    move(key)
+                    run[key] = None
+                    last = key
+                parent = key
+                continue
+            if free:
+                slot = free.pop()
+            elif len(order) > len(run):  # pop the first candidate: the least recent key outside the run
+                victim = popitem(False)[0]
+                slot = slots.pop(victim)  # key_of[slot] is overwritten below
+                evicted += 1
+                if on_evict is not None:
+                    on_evict.append(victim)
+            elif order:  # only the open run is left: its last key comes first
+                run.popitem()
+                victim = popitem()[0]
+                slot = slots.pop(victim)  # key_of[slot] is overwritten below
+                evicted += 1
+                if on_evict is not None:
+                    on_evict.append(victim)
+            else:
+                rejected += 1
+                parent = key
+                continue
+            slots[key] = slot
+            key_of[slot] = key
+            state[slot] = _READY
+            parent_of[slot] = parent
+            depth_of[slot] = i
+            # push(key, parent) for an absent key: assignment appends it, so no move_to_end
+            if parent is None or parent != last:
+                if len(run) > 1:
+                    for k in reversed(run):
+                        move(k)
+                run.clear()
+            order[key] = parent
+            run[key] = None
+            last = key
+            inserted += 1
+            parent = key
+        lst._last = last
+        self._evictions += evicted
+        self._rejected += rejected
+        return inserted
+
+    def _insert_chain_slow(self, keys: Sequence[bytes], start: int) -> int:
         reserve = self.reserve
         commit = self.commit
         parent = keys[start - 1] if start > 0 else None

@@ -27,6 +27,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from .._errors import InvalidArgumentError
 
@@ -63,8 +64,27 @@ class EvictionPolicy(ABC):
     def candidates(self) -> Iterator[bytes]:
         """Resident keys, best victim first. Must tolerate the caller stopping early."""
 
+    def _pop_victim(self) -> bytes | None:
+        # The index's fast path when nothing is pinned: remove the first candidate as an eviction and return
+        # it (None when empty). Built-in policies override it with an O(1) pop; any override must be
+        # equivalent to this.
+        for key in self.candidates():
+            self.remove(key, evicted=True)
+            return key
+        return None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A subclass that changes candidates() or remove() but not _pop_victim gets the generic pop back: an
+        # inherited O(1) pop would bypass its overrides.
+        if "_pop_victim" not in cls.__dict__ and ("candidates" in cls.__dict__ or "remove" in cls.__dict__):
+            cls._pop_victim = EvictionPolicy._pop_victim  # type: ignore[method-assign]
+
     def __len__(self) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+_ABSENT = object()
 
 
 class _RecencyList:
@@ -109,6 +129,16 @@ class _RecencyList:
         del self._order[key]
         self._run.pop(key, None)
 
+    def pop_first(self) -> bytes:
+        """Remove and return the first key of the iteration order (the list must not be empty)."""
+        order = self._order
+        run = self._run
+        if len(order) > len(run):  # the least recent key is not in the open run
+            return order.popitem(last=False)[0]
+        # Only the open run is left: it iterates reversed, so its last key comes first.
+        run.popitem()
+        return order.popitem()[0]
+
     def __iter__(self) -> Iterator[bytes]:
         run = self._run
         if len(run) <= 1:
@@ -127,12 +157,24 @@ class LRUPolicy(EvictionPolicy):
         self._list = _RecencyList()
 
     def insert(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> None:
-        self._list.push(key, parent)
+        # _RecencyList.push, inlined: this runs once per stored block.
+        lst = self._list
+        order = lst._order
+        run = lst._run
+        if parent is None or parent != lst._last or key in run:
+            if len(run) > 1:
+                for k in reversed(run):
+                    order.move_to_end(k)
+            run.clear()
+        order[key] = parent
+        order.move_to_end(key)
+        run[key] = None
+        lst._last = key
 
     def touch(self, key: bytes) -> None:
-        lst = self._list
-        if key in lst:
-            lst.push(key, lst.parent(key))
+        parent = self._list._order.get(key, _ABSENT)
+        if parent is not _ABSENT:
+            LRUPolicy.insert(self, key, parent)  # type: ignore[arg-type]  # (not a subclass's insert)
 
     def remove(self, key: bytes, evicted: bool) -> None:
         if key in self._list:
@@ -140,6 +182,18 @@ class LRUPolicy(EvictionPolicy):
 
     def candidates(self) -> Iterator[bytes]:
         return iter(self._list)
+
+    def _pop_victim(self) -> bytes | None:
+        # _RecencyList.pop_first, inlined: this runs once per eviction.
+        lst = self._list
+        order = lst._order
+        run = lst._run
+        if len(order) > len(run):
+            return order.popitem(last=False)[0]
+        if not order:
+            return None
+        run.popitem()
+        return order.popitem()[0]
 
     def __len__(self) -> int:
         return len(self._list)
@@ -203,24 +257,47 @@ class ARCPolicy(EvictionPolicy):
             del b2[key]
             self._t2.push(key, parent)
         else:
-            self._t1.push(key, parent)
+            # The common case, with t1.push and _trim_ghosts inlined.
+            t1 = self._t1
+            o1 = t1._order
+            run = t1._run
+            if parent is None or parent != t1._last or key in run:
+                if len(run) > 1:
+                    for k in reversed(run):
+                        o1.move_to_end(k)
+                run.clear()
+            o1[key] = parent
+            o1.move_to_end(key)
+            run[key] = None
+            t1._last = key
+            c = self.capacity
+            n1 = len(o1)
+            while b1 and n1 + len(b1) > c:
+                b1.popitem(last=False)
+            n12 = n1 + len(self._t2._order)
+            while n12 + len(b1) + len(b2) > 2 * c:
+                (b2 or b1).popitem(last=False)
+            return
         self._trim_ghosts()
 
     def touch(self, key: bytes) -> None:
         t1 = self._t1
-        if key in t1:
-            parent = t1.parent(key)
+        parent = t1._order.get(key, _ABSENT)
+        if parent is not _ABSENT:
             t1.pop(key)
-            self._t2.push(key, parent)
-        elif key in self._t2:
-            self._t2.push(key, self._t2.parent(key))
+            self._t2.push(key, parent)  # type: ignore[arg-type]
+            return
+        t2 = self._t2
+        parent = t2._order.get(key, _ABSENT)
+        if parent is not _ABSENT:
+            t2.push(key, parent)  # type: ignore[arg-type]
 
     def remove(self, key: bytes, evicted: bool) -> None:
-        if key in self._t1:
+        if key in self._t1._order:
             self._t1.pop(key)
             if evicted:
                 self._b1[key] = None
-        elif key in self._t2:
+        elif key in self._t2._order:
             self._t2.pop(key)
             if evicted:
                 self._b2[key] = None
@@ -231,10 +308,42 @@ class ARCPolicy(EvictionPolicy):
     def _trim_ghosts(self) -> None:
         c = self.capacity
         b1, b2 = self._b1, self._b2
-        while b1 and len(self._t1) + len(b1) > c:
-            b1.popitem(last=False)
-        while len(self._t1) + len(self._t2) + len(b1) + len(b2) > 2 * c:
-            (b2 or b1).popitem(last=False)
+        n1 = len(self._t1._order)
+        if n1 + len(b1) > c:
+            while b1 and n1 + len(b1) > c:
+                b1.popitem(last=False)
+        n12 = n1 + len(self._t2._order)
+        if n12 + len(b1) + len(b2) > 2 * c:
+            while n12 + len(b1) + len(b2) > 2 * c:
+                (b2 or b1).popitem(last=False)
+
+    def _pop_victim(self) -> bytes | None:
+        # candidates()' first key, removed as remove(key, evicted=True) would (its _trim_ghosts inlined: it
+        # only does work when a bound is exceeded).
+        t1, t2 = self._t1, self._t2
+        o1 = t1._order
+        n1 = len(o1)
+        n2 = len(t2._order)
+        if n1 and (n1 > self.p or not n2):
+            run = t1._run
+            if n1 > len(run):  # t1.pop_first(), inlined
+                key = o1.popitem(last=False)[0]
+            else:
+                run.popitem()
+                key = o1.popitem()[0]
+            self._b1[key] = None
+            n1 -= 1
+        elif n2:
+            key = t2.pop_first()
+            self._b2[key] = None
+            n2 -= 1
+        else:
+            return None
+        nb1 = len(self._b1)
+        c = self.capacity
+        if (nb1 and n1 + nb1 > c) or n1 + n2 + nb1 + len(self._b2) > 2 * c:
+            self._trim_ghosts()
+        return key
 
     def candidates(self) -> Iterator[bytes]:
         t1, t2 = self._t1, self._t2
@@ -287,9 +396,12 @@ class ChainLRUPolicy(EvictionPolicy):
         heap = self._heap
         heapq.heappush(heap, (node.stamp, node.key))
         if len(heap) > 2 * len(self._nodes) + 64:  # drop stale entries; amortized O(1) per push
-            heap = [(n.stamp, k) for k, n in self._nodes.items() if n.children == 0]
-            heapq.heapify(heap)
-            self._heap = heap
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        heap = [(n.stamp, k) for k, n in self._nodes.items() if n.children == 0]
+        heapq.heapify(heap)
+        self._heap = heap
 
     def insert(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> None:
         nodes = self._nodes
@@ -305,9 +417,11 @@ class ChainLRUPolicy(EvictionPolicy):
                 stamp -= _ORPHAN
             else:
                 pnode.children += 1  # its heap entry, if any, is now stale
-        node = _Node(key, parent, pnode, stamp)
-        nodes[key] = node
-        self._push_leaf(node)
+        nodes[key] = _Node(key, parent, pnode, stamp)
+        heap = self._heap  # _push_leaf, inlined
+        heapq.heappush(heap, (stamp, key))
+        if len(heap) > 2 * len(nodes) + 64:
+            self._rebuild_heap()
 
     def touch(self, key: bytes) -> None:
         nodes = self._nodes
@@ -337,6 +451,28 @@ class ChainLRUPolicy(EvictionPolicy):
             if pnode.children == 0 and self._nodes.get(pnode.key) is pnode:
                 self._push_leaf(pnode)
         # Children of a dropped inner node keep pointing at the detached node until their next access.
+
+    def _pop_victim(self) -> bytes | None:
+        # candidates()' first key, removed as remove(key, evicted=True) would. Popping its heap entry (remove
+        # leaves it to go stale) changes nothing else: valid entries have distinct stamps, so their order does
+        # not depend on the stale entries around them.
+        heap = self._heap
+        nodes = self._nodes
+        heappop = heapq.heappop
+        while heap:
+            stamp, key = heappop(heap)
+            node = nodes.get(key)
+            if node is not None and node.children == 0 and node.stamp == stamp:
+                del nodes[key]
+                pnode = node.parent
+                if pnode is not None:
+                    pnode.children -= 1
+                    if pnode.children == 0 and nodes.get(pnode.key) is pnode:  # _push_leaf, inlined
+                        heapq.heappush(heap, (pnode.stamp, pnode.key))
+                        if len(heap) > 2 * len(nodes) + 64:
+                            self._rebuild_heap()
+                return key
+        return super()._pop_victim()  # no leaf (every resident block has a resident child)
 
     def _valid(self, entry: tuple[int, bytes]) -> bool:
         node = self._nodes.get(entry[1])
