@@ -6,7 +6,8 @@ user message, streaming (``stream_options.include_usage``), greedy, a fixed numb
 offloading every turn recomputes its whole prompt, and with it the prefix comes back from the CPU tier. Each
 mode runs on a fresh server process (``python -m aiokv serve``); the client measures TTFT (request sent ->
 first chunk), output tokens/s (all sessions) and the prefix hit rate (``cached_tokens / prompt_tokens`` from
-``usage``), and checks both modes generated the same text.
+``usage``), checks both modes generated the same text, and prints where each server says TTFT went (mean
+queue, admission and prefill times from its ``/metrics``).
 
     python benchmarks/bench_serve.py               # 8 sessions x 6 turns, default model (~45 s on 2 cores)
     python benchmarks/bench_serve.py --quick       # 4 sessions x 2 turns, tiny model (a smoke run)
@@ -170,10 +171,36 @@ async def _run_mode(args: argparse.Namespace, offload: bool) -> Mode:
     return mode
 
 
+BREAKDOWN = (
+    ("queue", "aiokv:request_queue_time_seconds"),
+    ("admission", "aiokv:request_admission_time_seconds"),
+    ("prefill", "aiokv:request_prefill_time_seconds"),
+)
+"""Where the server says TTFT went: waiting for blocks, aiokv lookup + load, waiting for a step + prefill."""
+
+
+def _breakdown(metrics: str) -> dict[str, float]:
+    """Mean seconds per request of each part of TTFT, from the server's histograms (``_sum / _count``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics):
+        for s in fam.samples:
+            if s.name.endswith(("_sum", "_count")):
+                sums[s.name] = sums.get(s.name, 0.0) + s.value
+    out = {}
+    for part, name in BREAKDOWN:
+        count = sums.get(name + "_count", 0.0)
+        out[f"{part}_mean_s"] = sums.get(name + "_sum", 0.0) / count if count else 0.0
+    return out
+
+
 def _summary(mode: Mode) -> dict[str, Any]:
     ttfts = [t.ttft_s for t in mode.turns]
     prompt = sum(t.prompt_tokens for t in mode.turns)
     return {
+        "ttft_mean_s": sum(ttfts) / len(ttfts),
+        "server_ttft_breakdown": _breakdown(mode.metrics),
         "ttft_p50_s": common.percentile(ttfts, 50),
         "ttft_p95_s": common.percentile(ttfts, 95),
         "output_tokens_per_s": sum(t.completion_tokens for t in mode.turns) / mode.wall_s,
@@ -247,6 +274,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         note=f"TTFT p50 {ratio:.1f}x lower with offloading (target >= {TARGET:g}x); outputs "
         + ("matched" if same else "DIFFER"),
     )
+    for name, s in (("recompute", rec), ("offload", off)):
+        b = s["server_ttft_breakdown"]
+        print(
+            f"  {name}: mean TTFT {s['ttft_mean_s'] * 1e3:,.0f} ms = queue {b['queue_mean_s'] * 1e3:,.0f}"
+            f" + admission (lookup, load) {b['admission_mean_s'] * 1e3:,.1f}"
+            f" + prefill (step wait, compute) {b['prefill_mean_s'] * 1e3:,.0f} ms (server side)"
+        )
     plot = common.RESULTS / "serve.png"
     plotted = _plot(modes, plot, title)
     return {

@@ -119,6 +119,16 @@ def report(console: Console, runs: list[RunResult], args: argparse.Namespace) ->
     ttfts = [sorted(r.ttft_s for r in run.results.values()) for run in runs]
     row("TTFT p50 (ms)", *(f"{_percentile(t, 50) * 1e3:.1f}" for t in ttfts))
     row("TTFT p95 (ms)", *(f"{_percentile(t, 95) * 1e3:.1f}" for t in ttfts))
+    # Where the mean TTFT goes: waiting for blocks, aiokv's lookup + load, then a step and the prefill.
+    for label, part in (("  queue", "queued_s"), ("  admission (lookup, load)", "admission_s"),
+                        ("  prefill (step wait, compute)", "prefill_s")):  # fmt: skip
+        row(
+            f"{label} (ms, mean)",
+            *(
+                f"{sum(getattr(r, part) for r in run.results.values()) / len(run.results) * 1e3:.1f}"
+                for run in runs
+            ),
+        )
     out_tokens = [sum(len(r.output_token_ids) for r in run.results.values()) for run in runs]
     row("output tokens/s", *(f"{n / run.wall_s:.1f}" for n, run in zip(out_tokens, runs, strict=True)))
     row("wall time (s)", *(f"{run.wall_s:.2f}" for run in runs))

@@ -70,6 +70,15 @@ class GenerationResult:
     last_logits: torch.Tensor | None = None  # logits that sampled the last token (``return_logits=True``)
     restored_tokens: int = 0  # tokens restored by aiokv, summed over every admission (re-admissions after
     # preemption restore prompt and generated tokens again, so this may exceed the prompt)
+    admission_s: float = 0.0  # first admission started -> its lookup and load done (0 without an offloader)
+
+    @property
+    def prefill_s(self) -> float:
+        """Seconds from the first admission's end to the first token (``ttft_s - queued_s - admission_s``).
+
+        That is waiting for a step and computing the uncached rest of the prompt (and whatever a preemption
+        before the first token cost), so ``ttft_s == queued_s + admission_s + prefill_s``."""
+        return max(0.0, self.ttft_s - self.queued_s - self.admission_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -146,6 +155,7 @@ class _Seq:
     releasing: bool = False  # a preempt is returning the blocks; not admissible until it resolves
     abort_requested: bool = False
     admitted_at: float | None = None
+    running_at: float | None = None  # the first admission's lookup and load are done
     first_token_at: float | None = None
     last_token_at: float | None = None
     cached_tokens: int | None = None  # restored at the first admission (None until admitted)
@@ -178,6 +188,7 @@ class _Seq:
             computed_prefill_tokens=self.computed_prefill,
             num_preemptions=self.preemptions,
             last_logits=self.last_logits,
+            admission_s=(self.running_at or self.arrival) - (self.admitted_at or self.arrival),
         )
 
 
@@ -195,6 +206,9 @@ class Engine:
     Scheduling (one step): requests are served oldest first; each running request gets the tokens it has
     not computed yet (its whole remaining prefill, chunked to ``max_num_batched_tokens``, or its one decode
     token) and the blocks those need. When the pool is empty the newest running request is preempted.
+    Waiting requests are admitted in arrival order as soon as blocks for their known context are free (when
+    blocks come back or a request arrives, not only between steps), so their lookup and load overlap the
+    forward in flight.
     """
 
     def __init__(
@@ -522,6 +536,7 @@ class Engine:
         seq.done = asyncio.get_running_loop().create_future()
         self._seqs[seq.request_id] = seq
         self._waiting.append(seq)  # orders only grow: stays sorted
+        self._admit()  # blocks free now: start its lookup/load now, not after the forward in flight
         self._wakeup.set()
 
     def _request_abort(self, seq: _Seq, exc: BaseException | None) -> None:
@@ -668,13 +683,17 @@ class Engine:
             self._end(seq, "abort")
 
     def _admit(self) -> None:
-        """Start admissions in arrival order while blocks for the whole known context are free."""
-        while self._waiting and self._state == "running":
+        """Start admissions in arrival order while blocks for the whole known context are free.
+
+        Runs at every step boundary and also whenever blocks come back or a request arrives (synchronous, on
+        the loop thread: never in the middle of :meth:`_schedule`), so admissions overlap the forward in
+        flight."""
+        while self._waiting and self._state == "running" and self._failure is None:
             if len(self._running) + self._admitting >= self.max_num_seqs:
                 return
             seq = self._waiting[0]
-            if seq.releasing or self._starved:
-                return  # strict FCFS; and running requests come before new ones
+            if seq.releasing or self._starved or seq.abort_requested:
+                return  # strict FCFS; running requests come before new ones; the loop ends aborted ones
             need = -(-len(seq.tokens) // self.block_size)
             blocks = self._allocator.allocate(need)
             if blocks is None:
@@ -730,6 +749,8 @@ class Engine:
             seq.cached_tokens = hit
         seq.restored_tokens += hit
         self._counts["cached_tokens"] += hit
+        if seq.running_at is None:  # no lookup or load without an offloader: no admission time
+            seq.running_at = time.perf_counter() if self.offloader is not None else seq.admitted_at
         seq.phase = Phase.RUNNING
         bisect.insort(self._running, seq, key=lambda s: s.order)
 
@@ -879,6 +900,9 @@ class Engine:
         self._allocator.free(blocks)
         if how == "preempt":
             seq.releasing = False
+        # The blocks are reusable now: a waiting request starts its admission (lookup, load) at once, while
+        # the forward in flight runs, instead of at the next step boundary; it joins the next step.
+        self._admit()
         self._wakeup.set()
 
     def _spawn(self, coro: Any, name: str) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +113,18 @@ class SeqChunk:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+
+class _AttentionPlan(NamedTuple):
+    """What one chunk's attention needs in every layer: computed once per forward."""
+
+    n: int  # new tokens
+    ctx: int  # context length after them
+    padded: int  # ctx padded to the context tile
+    rows: int  # query rows per kv head (group * n)
+    padded_rows: int  # rows padded to ROW_TILE
+    table: torch.Tensor  # the chunk's block table, cut to the blocks it covers
+    mask: torch.Tensor  # (rows, padded): True where a query row must not see the position
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -201,23 +214,29 @@ class Transformer:
         ss = _mm(x * x, self._ones)[:, :1]
         return x * torch.rsqrt(ss / x.shape[-1] + self.config.rms_eps) * weight
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (tokens, heads, head_dim); rotate-half convention.
-        cos = self._cos[positions].unsqueeze(1)
-        sin = self._sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per position ``[cos, cos]`` and ``[-sin, sin]`` over the head dimension, shaped to broadcast over
+        heads: one table for every layer of a forward."""
+        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
-    def _qkv(self, layer: _Layer, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: (tokens, heads, head_dim); rotate-half convention: [x1 cos - x2 sin, x2 cos + x1 sin], written as
+        # x * [cos, cos] + [x2, x1] * [-sin, sin] (a - b is a + (-b) in IEEE arithmetic: the same bits).
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+    def _qkv(
+        self, layer: _Layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
         c = self.config
         n = x.shape[0]
         qkv = _mm(self._rms_norm(x, layer.attn_norm), layer.qkv_t)
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q = qkv[:, :q_dim].reshape(n, c.num_heads, c.head_dim)
-        k = qkv[:, q_dim : q_dim + kv_dim].reshape(n, c.num_kv_heads, c.head_dim)
+        # Queries and keys rotate together: one set of elementwise ops for both (the same values per element).
+        qk = self._rope(qkv[:, : q_dim + kv_dim].reshape(n, c.num_heads + c.num_kv_heads, c.head_dim), *rope)
         v = qkv[:, q_dim + kv_dim :].reshape(n, c.num_kv_heads, c.head_dim).contiguous()
-        return self._rope(q, positions), self._rope(k, positions), v
+        return qk[:, : c.num_heads], qk[:, c.num_heads :], v
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = self._rms_norm(x, layer.mlp_norm)
@@ -250,8 +269,8 @@ class Transformer:
         positions = torch.cat([torch.arange(ch.start, ch.end, dtype=torch.long) for ch in chunks]).to(dev)
         if int(positions.max()) >= c.max_position:
             raise InvalidArgumentError(f"positions must be < max_position={c.max_position}")
-        # Flat cache slot of every new token, and each chunk's gather table.
-        slots, tables = [], []
+        # Flat cache slot of every new token, and each chunk's attention plan (the same for every layer).
+        slots, plans = [], []
         for ch in chunks:
             n_blocks = -(-ch.end // block_size)
             if len(ch.block_table) < n_blocks:
@@ -261,7 +280,7 @@ class Transformer:
             table = torch.tensor(list(ch.block_table[:n_blocks]), dtype=torch.long)
             pos = torch.arange(ch.start, ch.end, dtype=torch.long)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
-            tables.append(table.to(dev))
+            plans.append(self._attention_plan(ch, table.to(dev), block_size))
         slot_idx = torch.cat(slots).to(dev)
 
         # Every token-parallel op runs on a row count padded to ROW_TILE (zero rows), so no kernel sees a
@@ -269,18 +288,18 @@ class Transformer:
         n_tokens = token_ids.shape[0]
         n_padded = _round_up(n_tokens, ROW_TILE)
         x = F.pad(self.embed[token_ids], (0, 0, 0, n_padded - n_tokens))
-        positions_padded = F.pad(positions, (0, n_padded - n_tokens))
+        rope = self._rope_table(F.pad(positions, (0, n_padded - n_tokens)))
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[2 * i], kv_caches[2 * i + 1]
-            q, k, v = self._qkv(layer, x, positions_padded)
+            q, k, v = self._qkv(layer, x, rope)
             k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slot_idx, k[:n_tokens])
             v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slot_idx, v[:n_tokens])
             attn = x.new_zeros((n_padded, c.num_heads * c.head_dim))
             offset = 0
-            for ch, table in zip(chunks, tables, strict=True):
-                n = len(ch.token_ids)
+            for plan in plans:
+                n = plan.n
                 attn[offset : offset + n] = self._paged_attention(
-                    q[offset : offset + n], ch, table, k_cache, v_cache
+                    q[offset : offset + n], plan, k_cache, v_cache
                 )
                 offset += n
             x = x + _mm(attn, layer.o_t)
@@ -294,43 +313,53 @@ class Transformer:
             : len(chunks)
         ]
 
+    def _attention_plan(self, chunk: SeqChunk, table: torch.Tensor, block_size: int) -> _AttentionPlan:
+        c = self.config
+        group = c.num_heads // c.num_kv_heads
+        n, ctx = len(chunk.token_ids), chunk.end
+        padded = _round_up(ctx, max(CTX_TILE, block_size))  # block sizes are powers of two
+        rows = group * n
+        # Query row r (of a kv head) is token r % n: it sees the positions up to its own.
+        q_pos = torch.arange(chunk.start, ctx, device=table.device).repeat(group)
+        mask = torch.arange(padded, device=table.device)[None, :] > q_pos[:, None]
+        return _AttentionPlan(n, ctx, padded, rows, max(ROW_TILE, _round_up(rows, ROW_TILE)), table, mask)
+
     def _paged_attention(
-        self,
-        q: torch.Tensor,
-        chunk: SeqChunk,
-        table: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        self, q: torch.Tensor, plan: _AttentionPlan, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         c = self.config
-        n, kvh, hd = q.shape[0], c.num_kv_heads, c.head_dim
+        n, kvh, hd = plan.n, c.num_kv_heads, c.head_dim
         group = c.num_heads // kvh
-        ctx = chunk.end
-        padded = _round_up(ctx, max(CTX_TILE, k_cache.shape[1]))  # block sizes are powers of two
-        # Gather the context through the block table, then pad with zeros up to the context tile.
-        k_ctx = k_cache[table].reshape(-1, kvh, hd)
-        v_ctx = v_cache[table].reshape(-1, kvh, hd)
-        extra = padded - k_ctx.shape[0]
-        k_ctx = F.pad(k_ctx, (0, 0, 0, 0, 0, extra))
-        v_ctx = F.pad(v_ctx, (0, 0, 0, 0, 0, extra))
+        ctx, padded, rows = plan.ctx, plan.padded, plan.rows
+        block_size = k_cache.shape[1]
+        filled = plan.table.shape[0] * block_size
+        # Gather the context through the block table straight into buffers padded to the context tile: no
+        # intermediate copies (moving the context is most of a decode step's attention cost).
+        k_ctx = k_cache.new_empty((padded, kvh, hd))
+        v_ctx = v_cache.new_empty((padded, kvh, hd))
+        torch.index_select(k_cache, 0, plan.table, out=k_ctx[:filled].view(-1, block_size, kvh, hd))
+        torch.index_select(v_cache, 0, plan.table, out=v_ctx[:filled].view(-1, block_size, kvh, hd))
+        k_ctx[filled:] = 0  # masked positions: any finite key would do
         v_ctx[ctx:] = 0  # stale slots of the last block must not leak through 0 * nan
-        # (n, heads, hd) -> (kv_heads, group * n, hd): every query row of a kv head in one matmul.
-        qg = (
-            (q * (1.0 / math.sqrt(hd)))
-            .reshape(n, kvh, group, hd)
-            .permute(1, 2, 0, 3)
-            .reshape(kvh, group * n, hd)
+        # (n, heads, hd) -> (kv_heads, group * n, hd): every query row of a kv head in one matmul. The rows are
+        # padded to ROW_TILE once, here, for the matmuls below (what _mm does per call); a zero pad row scores
+        # 0 everywhere and no real row depends on it.
+        qg = q.new_zeros((kvh, plan.padded_rows, hd))
+        qg[:, :rows] = (
+            (q * (1.0 / math.sqrt(hd))).reshape(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(kvh, rows, hd)
         )
-        scores = _mm(qg, k_ctx.permute(1, 2, 0))  # (kvh, group * n, padded)
-        q_pos = torch.arange(chunk.start, ctx, device=q.device).repeat(group)
-        mask = torch.arange(padded, device=q.device)[None, :] > q_pos[:, None]
-        scores.masked_fill_(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        scores = qg @ k_ctx.permute(1, 2, 0)  # (kvh, padded_rows, padded)
+        scores[:, :rows].masked_fill_(plan.mask, float("-inf"))
+        if rows == plan.padded_rows:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # only the real rows (a decode has 4 of 16): the pad rows keep finite scores nobody reads
+            probs = scores
+            probs[:, :rows] = torch.softmax(scores[:, :rows], dim=-1)
         v_t = v_ctx.permute(1, 0, 2)  # (kvh, padded, hd)
-        out = _mm(probs[..., :CTX_TILE], v_t[:, :CTX_TILE])
+        out = probs[..., :CTX_TILE] @ v_t[:, :CTX_TILE]
         for start in range(CTX_TILE, padded, CTX_TILE):
-            out = out + _mm(probs[..., start : start + CTX_TILE], v_t[:, start : start + CTX_TILE])
-        return out.reshape(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, c.num_heads * hd)
+            out = out + probs[..., start : start + CTX_TILE] @ v_t[:, start : start + CTX_TILE]
+        return out[:, :rows].reshape(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, c.num_heads * hd)
 
     # -- the dense reference ---------------------------------------------------------------------------------
 

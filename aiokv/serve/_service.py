@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .._errors import AiokvError, ClosedError, EngineError, InvalidArgumentError
-from ..metrics import AiokvCollector, RequestMetrics
+from ..metrics import TTFT_BUCKETS, AiokvCollector, RequestMetrics
 from ._config import ServeConfig
 from ._schema import APIError, ChoiceResult, GenerationRequest, ResponseBuilder, usage
 from ._tokenizer import ByteTokenizer, Detokenizer, StopMatcher
@@ -111,6 +111,22 @@ class Service:
         self.offloader: Offloader | None = None
         self.registry = CollectorRegistry()
         self.request_metrics = RequestMetrics(self.registry, labels={"model_name": self.model_name})
+        # Where TTFT goes after the queue (aiokv:request_queue_time_seconds): the first admission's lookup and
+        # load, then the wait for a step and the prefill of the uncached rest of the prompt.
+        self._admission_time = Histogram(
+            "aiokv:request_admission_time_seconds",
+            "A request's first admission: aiokv lookup and load of its cached prefix (0 without offloading).",
+            ["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(self.model_name)
+        self._prefill_time = Histogram(
+            "aiokv:request_prefill_time_seconds",
+            "First admission done to first token: waiting for a step and computing the uncached prompt.",
+            ["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(self.model_name)
         self._state = ServiceState.NEW
         self._stack: contextlib.AsyncExitStack | None = None
         self._tickets: set[_Ticket] = set()
@@ -394,6 +410,8 @@ class _Choice:
     finish_reason: str | None = None
     cached_tokens: int = 0
     queued_s: float | None = None
+    admission_s: float | None = None
+    prefill_s: float | None = None
     error: BaseException | None = None
 
 
@@ -556,6 +574,8 @@ class Generation:
                             c.finish_reason = result.finish_reason
                             c.cached_tokens = result.cached_tokens
                             c.queued_s = result.queued_s
+                            c.admission_s = result.admission_s
+                            c.prefill_s = result.prefill_s
                     finally:
                         svc._count("decoding" if c.tokens else "queued", -1)
                     if c.finish_reason == "stop" and c.tokens and c.cached_tokens == 0:
@@ -591,6 +611,9 @@ class Generation:
             latency_s=end - self._arrival,
             queued_s=c.queued_s,
         )
+        if c.admission_s is not None and c.prefill_s is not None:
+            self._service._admission_time.observe(c.admission_s)
+            self._service._prefill_time.observe(c.prefill_s)
 
     def _usage(self) -> dict[str, Any]:
         prompts = self.request.prompts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,7 +111,9 @@ async def test_offload_matches_recompute_across_multi_turn_workloads_with_preemp
     assert cold_stats.cached_tokens == 0
     assert warm_stats.cached_tokens > 0
     assert warm_stats.cached_tokens == off_stats.hit_tokens == sum(r.restored_tokens for r in warm.values())
-    for r in warm.values():  # OpenAI's meaning: prompt tokens served from the cache, never more than the prompt
+    for (
+        r
+    ) in warm.values():  # OpenAI's meaning: prompt tokens served from the cache, never more than the prompt
         assert r.cached_tokens <= len(r.prompt_token_ids)
         assert r.cached_tokens <= r.restored_tokens
     assert any(r.restored_tokens > r.cached_tokens for r in warm.values())  # re-admissions after preemption
@@ -277,6 +280,116 @@ async def test_blocks_return_to_the_pool_only_when_finish_resolves(tiny_model: T
             await engine.wait_idle()
             assert engine.stats().free_blocks == 16
             assert len(result.output_token_ids) == 8
+
+
+class _HeldForwards:
+    """Model stand-in whose forwards wait, in the engine's worker thread, while held: a step in flight."""
+
+    def __init__(self, model: Transformer) -> None:
+        self._model = model
+        self.config = model.config
+        self.device = model.device
+        self._cv = threading.Condition()
+        self._held = False
+        self.blocked = 0
+
+    def hold(self) -> None:
+        with self._cv:
+            self._held = True
+
+    def release(self) -> None:
+        with self._cv:
+            self._held = False
+            self._cv.notify_all()
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self._cv:
+            self.blocked += 1
+            self._cv.notify_all()
+            while self._held:
+                self._cv.wait()
+            self.blocked -= 1
+        return self._model.forward(*args, **kwargs)
+
+    def wait_blocked(self) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: self.blocked > 0, timeout=STALL_S):
+                raise TimeoutError("no forward reached the hold")
+
+
+class _OpenRecorder(_Gate):
+    """A :class:`_Gate` that also signals each aiokv request it opens (an admission starting)."""
+
+    def __init__(self, off: aiokv.Offloader) -> None:
+        super().__init__(off)
+        self.opened: list[str] = []
+        self.changed = asyncio.Event()
+
+    def open(self, *args: Any, **kwargs: Any) -> _GatedHandle:
+        self.opened.append(str(args[0]).split("#")[0])
+        self.changed.set()
+        return super().open(*args, **kwargs)
+
+    async def wait_opened(self, request_id: str) -> None:
+        while request_id not in self.opened:
+            self.changed.clear()
+            await self.changed.wait()
+
+
+@pytest.mark.asyncio
+async def test_admission_starts_as_soon_as_blocks_are_free_not_at_the_next_step(
+    tiny_model: Transformer,
+) -> None:
+    """A request waiting for blocks starts its lookup/load the moment a finished request's blocks come back,
+    and a request arriving to free blocks at once, while the forward in flight still runs (so it joins the
+    very next step); neither waits for the step boundary."""
+    cache = PagedKVCache(TINY, 16)
+    model = _HeldForwards(tiny_model)
+    async with _offloader(cache) as off:
+        gate = _OpenRecorder(off)
+        async with Engine(model, cache, offloader=gate) as engine:  # type: ignore[arg-type]
+            await engine.generate(list(range(150)), max_tokens=8, request_id="a")  # 10 blocks, releasing
+            assert engine.stats().releasing_blocks == 10
+            try:
+                async with engine.stream([7] * 20, max_tokens=40, request_id="c") as c_tokens:
+                    await c_tokens.__anext__()  # c decodes on its own blocks
+                    model.hold()
+                    await asyncio.to_thread(model.wait_blocked)  # c's next forward is in flight
+                    async with engine.stream(list(range(1, 151)), max_tokens=4, request_id="b") as b_tokens:
+                        assert engine.stats().waiting == 1  # no room yet
+                        assert "b" not in gate.opened
+                        gate.open_gate.set()  # a's finish() resolves: its 10 blocks are free again
+                        await asyncio.wait_for(gate.wait_opened("b"), 10)
+                        assert model.blocked == 1, "b's admission waited for the forward in flight"
+                        async with engine.stream([9] * 10, max_tokens=2, request_id="d") as d_tokens:
+                            await asyncio.wait_for(gate.wait_opened("d"), 10)  # arrived to free blocks
+                            assert model.blocked == 1
+                            model.release()
+                            assert len([t async for t in d_tokens]) == 2
+                        assert len([t async for t in b_tokens]) == 4
+                    assert len([t async for t in c_tokens]) == 39
+            finally:
+                model.release()  # a failed check must not leave a forward held (closing waits for it)
+            await engine.wait_idle()
+            _assert_accounting(engine.stats())
+
+
+@pytest.mark.asyncio
+async def test_ttft_splits_into_queue_admission_and_prefill(tiny_model: Transformer) -> None:
+    prompt = [(j * 7 + 3) % 256 for j in range(100)]
+    async with Engine(tiny_model, PagedKVCache(TINY, 16)) as engine:
+        plain = await engine.generate(prompt, max_tokens=3)
+    assert plain.admission_s == 0.0
+    cache = PagedKVCache(TINY, 16)
+    async with _offloader(cache) as off, Engine(tiny_model, cache, offloader=off) as engine:
+        cold = await engine.generate(prompt, max_tokens=3)
+        await engine.wait_idle()  # its blocks are stored
+        warm = await engine.generate(prompt, max_tokens=3)
+    assert warm.cached_tokens == 96
+    assert warm.admission_s > 0.0  # the lookup and the load of 6 blocks
+    for r in (plain, cold, warm):
+        assert min(r.queued_s, r.admission_s, r.prefill_s) >= 0.0
+        assert r.queued_s + r.admission_s + r.prefill_s == pytest.approx(r.ttft_s, abs=1e-9)
 
 
 @pytest.mark.asyncio
@@ -470,7 +583,9 @@ async def test_an_engine_whose_offloader_closed_reports_itself_unhealthy(tiny_mo
             await engine.generate(list(range(40)), max_tokens=2)
         assert not engine.healthy
         assert engine.failure is not None
-        with pytest.raises(aiokv.EngineError, match=r"engine is unhealthy and accepts no requests: .*offloader"):
+        with pytest.raises(
+            aiokv.EngineError, match=r"engine is unhealthy and accepts no requests: .*offloader"
+        ):
             await engine.generate(list(range(40)), max_tokens=2)
         with pytest.raises(aiokv.EngineError):
             engine.stream(list(range(40)), max_tokens=2)
@@ -496,7 +611,11 @@ async def test_a_stream_that_is_never_entered_runs_nothing(tiny_model: Transform
     ("kwargs", "error", "message"),
     [
         ({"max_tokens": 2.5}, aiokv.InvalidTypeError, "max_tokens must be an int, got float"),
-        ({"temperature": float("nan")}, aiokv.InvalidArgumentError, "temperature must be a finite number >= 0"),
+        (
+            {"temperature": float("nan")},
+            aiokv.InvalidArgumentError,
+            "temperature must be a finite number >= 0",
+        ),
         ({"eos_token_id": 10**6}, aiokv.InvalidArgumentError, r"eos_token_id must be None or in \[0, 256\)"),
         ({"request_id": 7}, aiokv.InvalidTypeError, "request_id must be a str or None, got int"),
     ],
@@ -514,7 +633,9 @@ async def test_bad_generation_arguments_are_clear_errors(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("seed", range(2))
-async def test_failed_and_corrupt_loads_are_recomputed_and_outputs_match(tiny_model: Transformer, seed: int) -> None:
+async def test_failed_and_corrupt_loads_are_recomputed_and_outputs_match(
+    tiny_model: Transformer, seed: int
+) -> None:
     """Faults on every load path: a CPU tier too small for the workload (prefixes come back from a lower tier
     that fails reads and corrupts entries at rest) and load copies that fail. Every fault is a miss the engine
     recomputes: tokens and last logits are bitwise those of the recompute run, and the faults really happened."""

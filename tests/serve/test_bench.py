@@ -27,4 +27,11 @@ def test_bench_serve_quick_writes_results(tmp_path: Path, monkeypatch: pytest.Mo
     assert result["offload"]["hit_rate"] > 0
     assert result["recompute"]["hit_rate"] == 0
     assert result["offload"]["requests"] == result["recompute"]["requests"] == 4
+    # The server's TTFT breakdown: no lookup/load without offloading; parts that add up to a positive TTFT.
+    rec, off = result["recompute"]["server_ttft_breakdown"], result["offload"]["server_ttft_breakdown"]
+    assert rec["admission_mean_s"] == 0.0
+    assert off["admission_mean_s"] > 0.0
+    for b in (rec, off):
+        assert min(b.values()) >= 0.0
+        assert b["queue_mean_s"] + b["admission_mean_s"] + b["prefill_mean_s"] > 0.0
     assert (tmp_path / "serve.png").stat().st_size > 0

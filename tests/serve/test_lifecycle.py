@@ -165,7 +165,7 @@ def test_request_timeout_answers_504_and_aborts(gate: Gate) -> None:
 async def test_shutdown_drains_then_aborts_within_its_deadline(gate: Gate) -> None:
     """Shutdown stops accepting, lets a short request finish, aborts a long one at the drain deadline, then
     closes the engine and the offloader: no task left, every block back."""
-    grace = 3.0  # generous: the short request needs two forwards within it even on a loaded CI machine
+    grace = 3.0  # generous: the short request needs three forwards within it even on a loaded CI machine
     server = _start(gate, max_num_seqs=2, drain_timeout=grace)
     short: list[Any] = []
     long: list[Any] = []
@@ -185,7 +185,8 @@ async def test_shutdown_drains_then_aborts_within_its_deadline(gate: Gate) -> No
             )
             await anyio.to_thread.run_sync(_wait, server, lambda s: s.choices_queued == 2)
             assert (await http.get("/ready")).status_code == 200  # leaves an idle kept-alive connection
-            # Drain while both are in flight: two forwards finish the short one, the long one is held.
+            # Drain while both are in flight: three forwards finish the short one whichever request the first
+            # forward held (one or both: a request is admitted as soon as it arrives), the long one is held.
             t0 = time.perf_counter()
             server.handle.shutdown()
             await anyio.to_thread.run_sync(_wait, server, lambda s: s.state.value == "draining")
@@ -198,7 +199,7 @@ async def test_shutdown_drains_then_aborts_within_its_deadline(gate: Gate) -> No
             with pytest.raises(httpx.ConnectError):  # the listening socket is closed
                 async with httpx.AsyncClient(base_url=server.url) as fresh:
                     await fresh.get("/health")
-            gate.allow(2)
+            gate.allow(3)
         aborted_after = time.perf_counter() - t0
     assert short[-1] == "[DONE]"
     assert short[-2]["choices"][0]["finish_reason"] == "length"

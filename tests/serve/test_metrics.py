@@ -41,6 +41,9 @@ HISTOGRAMS = {
     "aiokv:time_to_first_token_seconds",
     "aiokv:time_per_output_token_seconds",
     "aiokv:e2e_request_latency_seconds",
+    "aiokv:request_queue_time_seconds",
+    "aiokv:request_admission_time_seconds",
+    "aiokv:request_prefill_time_seconds",
 }
 
 
