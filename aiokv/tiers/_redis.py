@@ -169,8 +169,12 @@ class _Breaker:
         self.probing = True
         return True
 
-    def success(self) -> None:
+    def success(self, probe: bool) -> None:
         if self.state is TierHealth.DOWN:
+            if not probe:
+                # An answer to a call sent before the server was declared down (read after it died): it says
+                # nothing about the server now, and only the probe may bring the tier back up.
+                return
             self.reconnects += 1
         self.state = TierHealth.UP
         self.failures = 0
@@ -656,7 +660,7 @@ class RedisTier(BackingTier):
             return failure
         problem = check(result) if check is not None else None
         if problem is None:
-            breaker.success()
+            breaker.success(bool(probe))
             self._health_changed(before)
             return result
         self._failed(problem, probe)

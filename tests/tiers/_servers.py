@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,6 +28,13 @@ from typing import Any
 import redis
 
 START_TIMEOUT_S = 10.0
+BIND_RETRIES = 3  # fresh ports tried when a first start finds its port taken by another process
+
+
+class _PortTaken(RuntimeError):
+    """The server exited because a port it was to listen on was taken meanwhile."""
+
+
 CLUSTER_TIMEOUT_S = 30.0
 ADMIN_PASSWORD = "admin-pw"  # the `default` user's password on servers started with an ACL
 SLOTS = 16384
@@ -75,15 +83,45 @@ def default_binary() -> Binary | None:
     return find_binary("redis") or find_binary("valkey")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux default 32768-60999)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return lo, hi
+
+
+_HANDED_OUT: set[int] = set()
+_PORTS = random.Random()  # not a schedule: which free port a server gets does not change what a test checks
+
+
 def free_port(*, below: int = 65536) -> int:
-    """A free loopback port (bound and released; the server binds it right after)."""
-    for _ in range(100):
+    """A free loopback port the kernel will not hand to an outgoing connection, not handed out before.
+
+    A port picked by binding port 0 and released lies in the ephemeral range: between its release and the
+    server's bind, any outgoing connection (a PING probe, a replication link, another test) may take it as its
+    local port, and the server then fails with "Address already in use". Ports are therefore drawn below the
+    ephemeral range (and above it when that leaves room), checked by binding them, and never handed out twice in
+    one run. A server that still loses the race is restarted on fresh ports (``ServerProcess.start``).
+    """
+    lo, hi = _ephemeral_range()
+    spans = [(s, e) for s, e in ((10000, min(lo, below)), (hi + 1, below)) if e - s > 100]
+    if not spans:
+        spans = [(1024, below)]
+    for _ in range(500):
+        start, end = _PORTS.choice(spans)
+        port = _PORTS.randrange(start, end)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port < below:
-            return port
-    raise RuntimeError(f"no free loopback port below {below}")
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port below {below} outside the ephemeral range {lo}-{hi}")
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, *, poll_s: float = 0.01) -> None:
@@ -205,6 +243,7 @@ class ServerProcess:
         port: int | None = None,
         config: dict[str, str | list[str]] | None = None,
         security: Security | None = None,
+        port_keys: Sequence[str] = (),
     ) -> None:
         binary = binary or default_binary()
         if binary is None:
@@ -215,6 +254,12 @@ class ServerProcess:
         self.security = security or Security()
         self.config = dict(config or {})
         self.proc: subprocess.Popen[bytes] | None = None
+        # Ports this object picked (its own when ``port`` was not given, and the config entries named by
+        # ``port_keys``): a first start that loses them to another process retries on fresh ones. A restart
+        # after kill() keeps them, since clients hold them by then.
+        self._own_port = port is None
+        self._port_keys = tuple(port_keys)
+        self._started = False
 
     @property
     def tls(self) -> bool:
@@ -255,6 +300,25 @@ class ServerProcess:
 
     def start(self) -> None:
         assert self.proc is None, "already running"
+        for attempt in range(BIND_RETRIES + 1):
+            try:
+                self._start_once()
+            except _PortTaken:
+                if self._started or not (self._own_port or self._port_keys) or attempt == BIND_RETRIES:
+                    raise
+                if self._own_port:
+                    self.port = free_port(below=55535)
+                for key in self._port_keys:
+                    self.config[key] = str(free_port())
+                # A fresh start: no log or cluster state of the failed one.
+                self.log_path.unlink(missing_ok=True)
+                if "cluster-config-file" in self.config:
+                    Path(str(self.config["cluster-config-file"])).unlink(missing_ok=True)
+            else:
+                self._started = True
+                return
+
+    def _start_once(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         conf = self._write_config()
         self.proc = subprocess.Popen(
@@ -265,7 +329,9 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.proc = None
-                raise RuntimeError(f"{self.binary} exited with {code}: {self.log_tail()}")
+                tail = self.log_tail()
+                error = _PortTaken if "Address already in use" in tail else RuntimeError
+                raise error(f"{self.binary} exited with {code}: {tail}")
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"{self.binary} did not answer within {START_TIMEOUT_S} s")
@@ -329,13 +395,17 @@ def _info(client: redis.Redis, section: str) -> dict[str, str]:
 @dataclass(slots=True)
 class Node:
     server: ServerProcess
-    bus_port: int
     node_id: str = ""
     client: redis.Redis | None = field(default=None, repr=False)
 
     @property
     def port(self) -> int:
         return self.server.port
+
+    @property
+    def bus_port(self) -> int:
+        """The cluster bus port (re-picked with the client port when a first start finds either taken)."""
+        return int(str(self.server.config["cluster-port"]))
 
     @property
     def alive(self) -> bool:
@@ -380,8 +450,14 @@ class Cluster:
                 "repl-diskless-sync-delay": "0",
                 **(config or {}),
             }
-            server = ServerProcess(workdir / f"node-{i}", binary, config=conf, security=self.security)
-            self.nodes.append(Node(server, bus))
+            server = ServerProcess(
+                workdir / f"node-{i}",
+                binary,
+                config=conf,
+                security=self.security,
+                port_keys=("cluster-port",),
+            )
+            self.nodes.append(Node(server))
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

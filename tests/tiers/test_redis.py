@@ -390,6 +390,8 @@ def test_breaker_counts_only_the_probe_against_the_backoff() -> None:
     assert breaker.state == TierHealth.DOWN
     breaker.failure(probe=False)  # a straggler
     assert (breaker.backoff, breaker.retry_at) == (1, clock.now + 1)
+    breaker.success(probe=False)  # a straggler's answer read after the server died: not a reconnect
+    assert (breaker.state, breaker.reconnects) == (TierHealth.DOWN, 0)
     assert breaker.allow() is None
     clock.now += 1
     assert breaker.allow() is True  # the probe
@@ -400,7 +402,7 @@ def test_breaker_counts_only_the_probe_against_the_backoff() -> None:
     assert (breaker.backoff, breaker.retry_at) == (2, clock.now + 2)
     clock.now += 2
     assert breaker.allow() is True
-    breaker.success()
+    breaker.success(probe=True)
     assert (breaker.state, breaker.backoff, breaker.reconnects, breaker.failures) == (TierHealth.UP, 1, 1, 0)
 
 
