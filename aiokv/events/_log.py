@@ -135,6 +135,15 @@ class KVEventLog:
         self._tier(tier, medium).clear()
         self._append(EventKind.CLEARED, tier, medium, (), None, 0, (), None, None)
 
+    def declare_tier(self, tier: str, medium: str) -> None:
+        """Make ``tier`` (on ``medium``) part of every snapshot from now on, even while it holds nothing."""
+        self._tier(tier, medium)
+
+    def block(self, tier: str, key: bytes) -> BlockInfo | None:
+        """What the log records for block ``key`` in ``tier`` (``None``: not stored there)."""
+        state = self._state.get(tier)
+        return None if state is None else state.get(key)
+
     def _tier(self, tier: str, medium: str) -> dict[bytes, BlockInfo]:
         state = self._state.get(tier)
         if state is None:
