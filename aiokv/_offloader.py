@@ -165,9 +165,8 @@ class Offloader:
         self._load_done_cb = self._load_done
         self._event_log: KVEventLog | None = None
         self._ev: TierEvents | None = None  # the CPU tier's event sink (None: events off)
-        self._ev_meta: dict[bytes, tuple[bytes | None, int, Any, int]] | None = (
-            None  # pending blocks' metadata
-        )
+        # Pending CPU blocks' (parent, tokens, storing request, first token's offset), for their stored event.
+        self._ev_meta: dict[bytes, tuple[bytes | None, int, Any, int]] | None = None
         self._ev_sinks: list[TierEvents] = []
         self._ev_endpoints = endpoints
         self.kv_events_publisher: ZmqEventPublisher | None = None
@@ -290,6 +289,8 @@ class Offloader:
         if self._state == "new":
             self._state = "closed"
             self.cpu.release()
+            if self._event_log is not None:
+                self._event_log.close()  # no tier ever held a block: streams just end
             return
         self._check_thread("aclose")
         self._state = "closing"

@@ -50,6 +50,19 @@ class TierEvents:
         one tenant become one stored event; ``infos[i]`` describes ``keys[i]`` (resolved when ``None``)."""
         if not keys:
             return
+        if len(keys) == 1:  # the common case while decoding: one block of a request per loop tick
+            parent, count, ten, toks = self._resolved(keys[0]) if infos is None else infos[0]
+            self.log.stored(
+                self.tier,
+                self.medium,
+                keys,
+                parent,
+                self.block_size,
+                token_counts=(count,),
+                token_ids=toks,
+                tenant=ten,
+            )
+            return
         if infos is None:
             infos = [self._resolved(k) for k in keys]
         log = self.log

@@ -219,3 +219,14 @@ async def test_random_schedules_rebuild_the_tiers_also_when_the_consumer_falls_b
         if log._events.maxlen == 4:
             assert consumer.snapshots >= 1
     await asyncio.wait_for(task, HANG_GUARD_S)
+
+
+async def test_streams_of_an_offloader_closed_before_it_started_end() -> None:
+    eng = SimEngine(num_blocks=8, block_size=BS)
+    off = Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=4 * eng.layout.slot_bytes)], kv_events=True)
+    stream = off.events()
+    await off.aclose()
+    items = [item async for item in stream]
+    assert len(items) == 1  # the (empty) snapshot, then the end
+    assert isinstance(items[0], aiokv.events.KVSnapshot)
+    assert items[0].tiers == {"cpu": {}}
