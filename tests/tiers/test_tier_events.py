@@ -100,3 +100,37 @@ async def test_redis_reports_acknowledged_writes_and_the_removals_it_observes(
     finally:
         await raw.aclose()
         await tier.aclose()
+
+
+async def test_an_offloader_over_redis_reports_its_chains_with_parents_and_tenant(
+    redis_server: Any, namespace: str
+) -> None:
+    """Blocks written through to Redis are reported with the parent and tenant the CPU tier recorded."""
+    import aiokv
+    from aiokv import CPUTier, Offloader
+
+    from ..core._sim import SimEngine
+    from ..events.test_offloader_events import serve
+
+    eng = SimEngine(num_blocks=64, block_size=4)
+    tier = RedisTier(redis_server.url, namespace=namespace)
+    async with Offloader(
+        eng.layout, tiers=[CPUTier(capacity_bytes=8 * eng.layout.slot_bytes), tier], kv_events=True
+    ) as off:
+        tokens = list(range(200, 217))
+        await serve(eng, off, "a", tokens, salt="tenant-x")
+        await off.flush()
+        hashes = aiokv.block_hashes(tokens, 4, salt="tenant-x", root=eng.layout.root)
+        snap = off.kv_snapshot()
+        assert snap.media["redis"] == "REMOTE"
+        assert set(snap.tiers["redis"]) == set(hashes)
+        for i, h in enumerate(hashes):
+            info = snap.tiers["redis"][h]
+            assert (info.parent_hash, info.token_count, info.tenant) == (
+                hashes[i - 1] if i else None,
+                4,
+                "tenant-x",
+            )
+        stored = [e for e in off.event_log.events_since(0) or [] if e.tier == "redis"]  # type: ignore[union-attr]
+        assert [k for e in stored for k in e.block_hashes] == hashes
+        assert len(stored) == 1  # one chain, one event
