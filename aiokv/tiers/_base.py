@@ -64,13 +64,13 @@ class BackingTier(ABC):
 
     name: str = "backing"
     medium: str = "REMOTE"  # what KV events report this tier's blocks as ("DISK" for a local disk tier)
-    events: TierEvents | None = None  # the tier's event sink while an offloader with KV events uses it
+    kv_events: TierEvents | None = None  # the tier's event sink while an offloader with KV events uses it
 
     def attach_events(self, events: TierEvents | None) -> None:
         """Report content changes to ``events`` (called by the offloader before :meth:`open`; ``None``
         detaches). A tier reports a block *stored* once a lookup can find it, and *removed* when it evicts
         the block, drops it as corrupt or finds it gone; a wrapper forwards this to the tier it wraps."""
-        self.events = events
+        self.kv_events = events
 
     @abstractmethod
     async def open(self, spec: TierSpec) -> None:

@@ -784,9 +784,9 @@ class DiskTier(BackingTier):
             _restore(index, opened.recovered)
             self._index = index
             recovered = len(opened.recovered)
-            if self.events is not None:  # recovered entries are stored (oldest first), evictions reported
+            if self.kv_events is not None:  # recovered entries are stored (oldest first); evictions reported
                 index.on_evict = []
-                self.events.stored([key for _, _, key in sorted(opened.recovered)])
+                self.kv_events.stored([key for _, _, key in opened.recovered])
         self._files = opened.files
         self._lock_fd = opened.lock_fd
         self._seq = max((seq for seq, _, _ in opened.recovered), default=0) + 1
@@ -1115,7 +1115,7 @@ class DiskTier(BackingTier):
         """Forget an entry that failed verification or could not be read (unless a read still holds it here,
         or, shared, another process changed it meanwhile or holds the catalog lock right now)."""
         catalog = self._catalog
-        events = self.events
+        events = self.kv_events
         if catalog is None:
             index = self._local()
             if index.pins(key) == 0 and index.discard(key) and events is not None:
@@ -1236,8 +1236,8 @@ class DiskTier(BackingTier):
             plan.indices.append(i)
             plan.slots.append(slot)
         evicted = index.on_evict
-        if evicted and self.events is not None:
-            self.events.removed(evicted)
+        if evicted and self.kv_events is not None:
+            self.kv_events.removed(evicted)
             evicted.clear()
         return plan
 
@@ -1276,8 +1276,8 @@ class DiskTier(BackingTier):
                     index.commit(key)
                 else:
                     index.discard(key)
-            if self.events is not None:
-                self.events.stored([key for key, good in zip(wkeys, ok, strict=True) if good])
+            if self.kv_events is not None:
+                self.kv_events.stored([key for key, good in zip(wkeys, ok, strict=True) if good])
             return ok, False
         locked, cancelled = await self._lock_catalog(catalog, _COMMIT_LOCK_S)
         if not locked:  # the slots stay reserved until they are reclaimed as stale
@@ -1287,8 +1287,8 @@ class DiskTier(BackingTier):
             committed = catalog.commit_locked(plan.reservations, ok)
         finally:
             catalog.unlock()
-        if self.events is not None:
-            self.events.stored([key for key, good in zip(wkeys, committed, strict=True) if good])
+        if self.kv_events is not None:
+            self.kv_events.stored([key for key, good in zip(wkeys, committed, strict=True) if good])
         self._c["dropped_busy"] += sum(ok) - sum(committed)  # taken over meanwhile (we looked stalled)
         return committed, cancelled
 
