@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._errors import (
     ClosedError,
@@ -34,6 +34,11 @@ from .tiers._policies import EvictionPolicy
 from .transfer._binding import DeviceBinding
 from .transfer._executor import DEFAULT_STAGING_BYTES, TransferExecutor
 from .transfer._future import TransferFuture
+
+if TYPE_CHECKING:
+    from .events._emit import StoredInfo, TierEvents
+    from .events._log import KVEventLog, KVEventStream, KVSnapshot
+    from .events._zmq import ZmqEventPublisher
 
 __all__ = ["Offloader"]
 
@@ -68,6 +73,15 @@ class Offloader:
         staging_bytes: device memory for staging copies, both directions together, allocated once at start.
             Larger transfers are cut into chunks; never more is allocated.
         copy_threads: CPU backend: threads one large copy is split over (default: the usable cores, at most 4).
+        kv_events: record every tier's block stored / removed / cleared events (see docs/events.md): ``True``
+            for a :class:`~aiokv.events.KVEventLog` with the default replay buffer, or the log to use. Read
+            them with :meth:`events` and :meth:`kv_snapshot`. Off by default: then nothing is recorded and the
+            data path pays one ``is None`` test per operation.
+        kv_events_endpoint: also publish the events in vLLM's KV-events wire format (ZMQ PUB, msgpack) on
+            this endpoint, e.g. ``"tcp://127.0.0.1:5557"`` (implies ``kv_events``; needs ``aiokv[events]``).
+            The publisher runs from :meth:`start` to :meth:`aclose`; :attr:`kv_events_publisher` is it.
+        kv_events_replay_endpoint: the publisher's replay socket (ZMQ ROUTER) for subscribers that missed
+            messages, e.g. ``"tcp://127.0.0.1:5558"``; ``None``: no replay service.
 
     Threads: an offloader and its requests belong to the thread running the event loop it was started on;
     every method of theirs raises :class:`~aiokv.WrongThreadError` when called from another thread (hand calls
@@ -88,6 +102,9 @@ class Offloader:
         device: DeviceBinding | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_threads: int | None = None,
+        kv_events: bool | KVEventLog = False,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay_endpoint: str | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidTypeError(f"layout must be an aiokv.KVLayout, got {type(layout).__name__}")
@@ -112,6 +129,8 @@ class Offloader:
             )
         if close_timeout < 0:
             raise InvalidArgumentError(f"close_timeout must be >= 0, got {close_timeout!r}")
+        endpoints = self._check_event_endpoints(kv_events_endpoint, kv_events_replay_endpoint)
+        self._check_kv_events(kv_events)
         device = self._resolve_device(layout, device)
         self.layout = layout
         self.block_size = layout.block_size
@@ -144,6 +163,61 @@ class Offloader:
         self._store_done_cb = self._store_done
         self._tick_store: TransferFuture | None = None  # the store future later stores of this tick may join
         self._load_done_cb = self._load_done
+        self._event_log: KVEventLog | None = None
+        self._ev: TierEvents | None = None  # the CPU tier's event sink (None: events off)
+        # Pending CPU blocks' (parent, tokens, storing request, first token's offset), for their stored event.
+        self._ev_meta: dict[bytes, tuple[bytes | None, int, Any, int]] | None = None
+        self._ev_sinks: list[TierEvents] = []
+        self._ev_endpoints = endpoints
+        self.kv_events_publisher: ZmqEventPublisher | None = None
+        if kv_events is not False or kv_events_endpoint is not None:
+            self._enable_events(kv_events)
+
+    @staticmethod
+    def _check_event_endpoints(endpoint: object, replay: object) -> tuple[str, str | None] | None:
+        for name, value in (("kv_events_endpoint", endpoint), ("kv_events_replay_endpoint", replay)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidTypeError(f"{name} must be a non-empty str or None, got {value!r}")
+        if endpoint is None:
+            if replay is not None:
+                raise InvalidArgumentError("kv_events_replay_endpoint needs kv_events_endpoint")
+            return None
+        return endpoint, replay  # type: ignore[return-value]
+
+    @staticmethod
+    def _check_kv_events(kv_events: object) -> None:
+        if isinstance(kv_events, bool):
+            return
+        from .events._log import KVEventLog
+
+        if not isinstance(kv_events, KVEventLog):
+            raise InvalidTypeError(
+                f"kv_events must be a bool or an aiokv.events.KVEventLog, got {type(kv_events).__name__}"
+            )
+
+    def _enable_events(self, kv_events: object) -> None:
+        """Give every tier an event sink writing to one log (the CPU tier's evictions are reported too)."""
+        from .events._emit import TierEvents
+        from .events._log import KVEventLog
+
+        log = kv_events if isinstance(kv_events, KVEventLog) else KVEventLog()
+        bs = self.block_size
+        self._event_log = log
+        self._ev = TierEvents(log, "cpu", "CPU", bs)
+        self._ev_meta = {}
+        self._ev_sinks = [self._ev]
+        self._index.on_evict = []
+
+        def resolve(key: bytes) -> Any:
+            return log.block("cpu", key)
+
+        names = {"cpu"}
+        for i, tier in enumerate(self.lower, start=1):
+            name = tier.name if tier.name not in names else f"{tier.name}{i}"
+            names.add(name)
+            sink = TierEvents(log, name, tier.medium, bs, resolve)
+            tier.attach_events(sink)
+            self._ev_sinks.append(sink)
 
     # ------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> Offloader:
@@ -186,6 +260,19 @@ class Offloader:
             await self._executor.aclose()
             raise
         self._writers = [_WriteThrough(self, t, self._write_through_max_bytes) for t in self.lower]
+        if self._ev_endpoints is not None and self._event_log is not None:
+            try:
+                from .events._zmq import ZmqEventPublisher
+
+                self.kv_events_publisher = ZmqEventPublisher(self._event_log, *self._ev_endpoints)
+                self.kv_events_publisher.start()
+            except BaseException:
+                for w in self._writers:
+                    await w.aclose(0.0)
+                for tier in opened:
+                    await tier.aclose()
+                await self._executor.aclose()
+                raise
         self._state = "running"
 
     async def aclose(self) -> None:
@@ -202,6 +289,8 @@ class Offloader:
         if self._state == "new":
             self._state = "closed"
             self.cpu.release()
+            if self._event_log is not None:
+                self._event_log.close()  # no tier ever held a block: streams just end
             return
         self._check_thread("aclose")
         self._state = "closing"
@@ -217,6 +306,7 @@ class Offloader:
             self._close_writers,
             self._close_executor,
             self._close_tiers,
+            self._close_events,
         ]
         cancelled = False
         for step in steps:
@@ -270,6 +360,23 @@ class Offloader:
                 _log.warning("closing tier %r failed: %r", tier.name, exc)
             self._closed_tiers.add(i)
 
+    async def _close_events(self, hard: bool) -> None:
+        """Every tier is cleared (this offloader serves none of its blocks any more), then the log is closed
+        (its subscriptions end once drained) and the publisher, if any, sends what is left and stops."""
+        log = self._event_log
+        if log is None:
+            return
+        if not log.closed:
+            for sink in self._ev_sinks:
+                sink.cleared()
+            log.close()
+        pub = self.kv_events_publisher
+        if pub is not None:
+            if not hard:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(pub.wait_published(), 1.0)
+            await pub.aclose()
+
     async def flush(self) -> None:
         """Wait until every block committed so far has been written through to the lower tiers (or dropped)."""
         self._check_thread("flush")
@@ -317,6 +424,73 @@ class Offloader:
     def device(self) -> DeviceBinding | None:
         """The device binding of the data path (CUDA or simulated), ``None`` on the CPU backend."""
         return self._device
+
+    # ------------------------------------------------------------- KV events
+    @property
+    def event_log(self) -> KVEventLog | None:
+        """The :class:`~aiokv.events.KVEventLog` every tier reports to (``None`` when ``kv_events`` is off)."""
+        return self._event_log
+
+    def events(self, from_seq: int | None = None) -> KVEventStream:
+        """``async for item in off.events():`` every tier's KV events in order (see docs/events.md).
+
+        The first item is a :class:`~aiokv.events.KVSnapshot` of every tier (unless ``from_seq`` names an
+        event still in the replay buffer: then the events after it come first); after that,
+        :class:`~aiokv.events.KVEvent` items, and another snapshot whenever the consumer fell further behind
+        than the buffer (the consumer replaces its state with it). The stream ends after :meth:`aclose`, whose
+        last events clear every tier."""
+        log = self._events_on("events")
+        if from_seq is not None and (
+            isinstance(from_seq, bool) or not isinstance(from_seq, int) or from_seq < 0
+        ):
+            raise InvalidArgumentError(f"from_seq must be an int >= 0 or None, got {from_seq!r}")
+        return log.subscribe(from_seq)
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every tier's blocks now, with the sequence number of the last event they include."""
+        return self._events_on("kv_snapshot").snapshot()
+
+    def _events_on(self, what: str) -> KVEventLog:
+        self._check_thread(what)
+        if self._event_log is None:
+            raise InvalidArgumentError(
+                f"{what}() needs KV events: create the Offloader with kv_events=True (or a KVEventLog)"
+            )
+        return self._event_log
+
+    def _ev_evicted(self) -> None:
+        """Report the CPU tier's evictions since the last call (called right after reserving slots)."""
+        evicted = self._index.on_evict
+        if evicted:
+            assert self._ev is not None
+            self._ev.removed(evicted)
+            evicted.clear()
+
+    def _ev_stored(self, keys: Sequence[bytes]) -> None:
+        """Report ``keys`` (just committed to the CPU tier) stored, with the metadata recorded when they were
+        reserved."""
+        assert self._ev is not None
+        assert self._ev_meta is not None
+        meta = self._ev_meta
+        bs = self.block_size
+        infos: list[StoredInfo] = []
+        for key in keys:
+            m = meta.pop(key, None)
+            if m is None:
+                infos.append((None, bs, None, None))
+                continue
+            parent, count, source, offset = m
+            if source is None:
+                infos.append((parent, count, None, None))
+            else:
+                infos.append((parent, count, source.salt, source.token_ids[offset : offset + count]))
+        self._ev.stored(keys, infos)
+
+    def _ev_forget(self, keys: Iterable[bytes]) -> None:
+        meta = self._ev_meta
+        if meta is not None:
+            for key in keys:
+                meta.pop(key, None)
 
     def _check_thread(self, what: str) -> None:
         if self._thread is not None and threading.get_ident() != self._thread:
@@ -395,18 +569,28 @@ class Offloader:
         self._index.unpin(keys)
 
     def _store_blocks(
-        self, chain: list[bytes], start: int, end: int, blocks: list[int], mark: Any = None
+        self,
+        chain: list[bytes],
+        start: int,
+        end: int,
+        blocks: list[int],
+        mark: Any = None,
+        source: Any = None,
     ) -> TransferFuture | None:
         """Reserve CPU slots for blocks ``start..end-1`` (engine blocks ``blocks[i]``, hashes ``chain[i]``) and
-        submit one store copy for them."""
+        submit one store copy for them. ``source`` (the storing request) names the blocks' tenant and tokens
+        in KV events."""
         index = self._index
         c = self._counters
+        meta = self._ev_meta
+        bs = self.block_size
         keys: list[bytes] = []
         slots: list[int] = []
         ids: list[int] = []
         for i in range(start, end):
             key = chain[i]
-            slot = index.reserve(key, chain[i - 1] if i else None, i)
+            parent = chain[i - 1] if i else None
+            slot = index.reserve(key, parent, i)
             if slot is None:
                 if index.state(key) is not None:
                     c.stores_deduplicated += 1
@@ -416,14 +600,31 @@ class Offloader:
             keys.append(key)
             slots.append(slot)
             ids.append(blocks[i])
+            if meta is not None:
+                meta[key] = (parent, bs, source, i * bs)
+        if meta is not None:
+            self._ev_evicted()
         if not keys:
             return None
         return self._submit_store(keys, slots, ids, mark)
 
     def _store_one(
-        self, key: bytes, parent: bytes | None, depth: int, block_id: int, mark: Any = None
+        self,
+        key: bytes,
+        parent: bytes | None,
+        depth: int,
+        block_id: int,
+        mark: Any = None,
+        source: Any = None,
+        num_tokens: int | None = None,
     ) -> TransferFuture | None:
         slot = self._index.reserve(key, parent, depth)
+        if self._ev_meta is not None:
+            if slot is not None:
+                count = self.block_size if num_tokens is None else num_tokens
+                # The first block's parent is the chain seed, not a block: events report none.
+                self._ev_meta[key] = (parent if depth else None, count, source, depth * self.block_size)
+            self._ev_evicted()
         if slot is None:
             if self._index.state(key) is not None:
                 self._counters.stores_deduplicated += 1
@@ -443,6 +644,7 @@ class Offloader:
             # would be taken for a duplicate and never happen).
             for key in keys:
                 self._index.discard(key)
+            self._ev_forget(keys)
             raise
         if tf is join:
             tf.context.extend(keys)
@@ -467,6 +669,8 @@ class Offloader:
         if tf.exception() is None:
             for key in keys:
                 index.commit(key)
+            if self._ev is not None:
+                self._ev_stored(keys)
             c.blocks_stored += len(keys)
             c.bytes_stored += len(keys) * self.layout.slot_bytes
             for w in self._writers:
@@ -474,6 +678,7 @@ class Offloader:
         else:
             for key in keys:
                 index.discard(key)
+            self._ev_forget(keys)
             c.store_errors += len(keys)
             self._log_copy.event("store of %d blocks failed, dropped: %s", len(keys), tf.exception())
 
@@ -519,7 +724,7 @@ class Offloader:
         """Pin the leading READY ``keys`` of the CPU tier; their slots."""
         return self._index.pin_prefix(keys)
 
-    async def _lookup_and_pin(self, keys: list[bytes]) -> tuple[list[bytes], list[int]]:
+    async def _lookup_and_pin(self, keys: list[bytes], source: Any = None) -> tuple[list[bytes], list[int]]:
         """Pin the longest prefix of ``keys`` available across all tiers; return its keys and CPU slots.
 
         Blocks in the CPU tier are pinned where they are. Each run of blocks missing from it is staged from the
@@ -542,7 +747,7 @@ class Offloader:
                     break  # keys[pos] is pending in the CPU tier (being stored or staged)
                 ahead_slots = index.pin_prefix(keys[end:])
                 ahead = keys[end : end + len(ahead_slots)]
-                got_keys, got_slots = await self._stage_run(keys, pos, end)
+                got_keys, got_slots = await self._stage_run(keys, pos, end, source)
                 pinned.extend(got_keys)
                 slots.extend(got_slots)
                 if len(got_keys) < end - pos:
@@ -563,7 +768,9 @@ class Offloader:
         c.hit_tokens += len(pinned) * self.block_size
         return pinned, slots
 
-    async def _stage_run(self, keys: list[bytes], start: int, end: int) -> tuple[list[bytes], list[int]]:
+    async def _stage_run(
+        self, keys: list[bytes], start: int, end: int, source: Any = None
+    ) -> tuple[list[bytes], list[int]]:
         """Stage ``keys[start:end]`` (all missing from the CPU tier) from the lower tiers, fastest first; return
         the pinned prefix that arrived."""
         got_keys: list[bytes] = []
@@ -573,7 +780,7 @@ class Offloader:
             for ti, tier in enumerate(self.lower):
                 if pos == end:
                     break
-                k, s = await self._stage(tier, keys, pos, end)
+                k, s = await self._stage(tier, keys, pos, end, source)
                 if not k:
                     continue
                 got_keys.extend(k)
@@ -590,7 +797,7 @@ class Offloader:
         return got_keys, got_slots
 
     async def _stage(
-        self, tier: BackingTier, keys: list[bytes], start: int, end: int
+        self, tier: BackingTier, keys: list[bytes], start: int, end: int, source: Any = None
     ) -> tuple[list[bytes], list[int]]:
         """Copy the run of ``keys[start:end]`` held by ``tier`` into fresh CPU slots; pin and return the
         verified prefix. A tier that fails (or raises) yields a miss from the failing block on."""
@@ -606,15 +813,22 @@ class Offloader:
         if n <= 0:
             return [], []
         index = self._index
+        meta = self._ev_meta
+        bs = self.block_size
         want: list[bytes] = []
         slots: list[int] = []
         for j, key in enumerate(rest[:n]):
             i = start + j
-            slot = index.reserve(key, keys[i - 1] if i else None, i)
+            parent = keys[i - 1] if i else None
+            slot = index.reserve(key, parent, i)
             if slot is None:  # raced with another stager / store, or no room: stop the run here
                 break
             want.append(key)
             slots.append(slot)
+            if meta is not None:
+                meta[key] = (parent, bs, source, i * bs)
+        if meta is not None:
+            self._ev_evicted()
         if not want:
             return [], []
         got = await self._read_into(tier, want, slots)
@@ -624,6 +838,10 @@ class Offloader:
         for key in want[:got]:
             index.commit(key)
             index.pin(key)
+        if meta is not None:
+            self._ev_forget(want[got:])
+            if got:
+                self._ev_stored(want[:got])
         c.staged_blocks += got
         c.staging_misses += len(want) - got
         return want[:got], slots[:got]
@@ -654,6 +872,7 @@ class Offloader:
             task.exception()  # retrieved: an abandoned read's failure is not news
         for key in keys:
             self._index.discard(key)
+        self._ev_forget(keys)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> OffloaderStats:

@@ -720,7 +720,7 @@ class Request:
             return
         # What _guarded() does, inline: this runs for every stored block of every request.
         try:
-            tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark)
+            tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark, self)
         except Exception as exc:
             self._off._store_not_submitted(self.request_id, exc)
             return
@@ -772,7 +772,7 @@ class Request:
     def _do_store_partial(self, index: int, block_id: int, k: int, mark: Any) -> None:
         bs = self._off.block_size
         key = partial_block_hash(self._parent(index), self.token_ids[index * bs : index * bs + k])
-        tf = self._off._store_one(key, self._parent(index), index, block_id, mark)
+        tf = self._off._store_one(key, self._parent(index), index, block_id, mark, self, k)
         if tf is not None:
             self._track(tf)
 
@@ -782,7 +782,7 @@ class Request:
         bs = off.block_size
         max_blocks = max(0, (len(self.token_ids) - 1) // bs)
         keys = self._chain(max_blocks)[:max_blocks]
-        pinned, slots = await off._lookup_and_pin(keys)
+        pinned, slots = await off._lookup_and_pin(keys, self)
         hit = len(pinned)
         partial = 0
         if off.store_partial_last_block:

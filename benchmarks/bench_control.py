@@ -14,8 +14,9 @@ collection of a process that imported torch costs ~0.1 s on a small machine, and
 some). The aiokv loop's time includes draining the copies it submitted. Target: <= 5 us. Also: finish-to-reusable latency (``finish()`` call
 to resolution; requests finish 16 per iteration, as in an engine) p50 / p99.
 
-Run: ``python benchmarks/bench_control.py [--quick] [--profile]`` (``--profile`` prints a pyinstrument profile
-of one aiokv decode loop).
+Run: ``python benchmarks/bench_control.py [--quick] [--profile] [--kv-events]`` (``--profile`` prints a
+pyinstrument profile of one aiokv decode loop; ``--kv-events`` runs the offloader with ``kv_events=True`` and
+no consumer, i.e. what recording every tier's events costs).
 """
 
 from __future__ import annotations
@@ -133,13 +134,18 @@ async def decode_loop_baseline(eng: Engine, steps: int, gc_mode: str = "default"
 
 
 async def decode_loop_aiokv(
-    eng: Engine, steps: int, gc_mode: str = "default", profile: bool = False, api: str = "step"
+    eng: Engine,
+    steps: int,
+    gc_mode: str = "default",
+    profile: bool = False,
+    api: str = "step",
+    kv_events: bool = False,
 ) -> dict[str, Any]:
     eng.reset()
     n_req = len(eng.prompts)
     layout = make_layout(eng.num_blocks)
     capacity = layout.slot_bytes * eng.num_blocks
-    async with Offloader(layout, [CPUTier(capacity_bytes=capacity)]) as off:
+    async with Offloader(layout, [CPUTier(capacity_bytes=capacity)], kv_events=kv_events) as off:
         reqs: list[Request] = []
         for i in range(n_req):
             reqs.append(off.open(f"r{i}", eng.prompts[i]))
@@ -227,7 +233,9 @@ def run_on(
             base_cpu.append(cpu)
             # Alternate which API goes first, so neither always runs right after the baseline.
             for api in APIS if rep % 2 == 0 else APIS[::-1]:
-                res = runner.run(decode_loop_aiokv(eng, args.steps, gc_mode, api=api))
+                res = runner.run(
+                    decode_loop_aiokv(eng, args.steps, gc_mode, api=api, kv_events=args.kv_events)
+                )
                 with_aiokv[api].append(res["seconds"])
                 cpu_aiokv[api].append(res["cpu_seconds"])
                 assert res["store_errors"] == 0
@@ -239,7 +247,9 @@ def run_on(
         profile = None
         if args.profile:
             profile = runner.run(
-                decode_loop_aiokv(eng, args.steps, gc_mode, profile=True, api=args.profile_api)
+                decode_loop_aiokv(
+                    eng, args.steps, gc_mode, profile=True, api=args.profile_api, kv_events=args.kv_events
+                )
             )["profile"]
     request_steps = args.requests * args.steps
     out: dict[str, Any] = {
@@ -289,6 +299,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a pyinstrument profile per loop")
     parser.add_argument("--profile-api", choices=APIS, default="batch", help="which API --profile profiles")
     parser.add_argument("--gc", nargs="+", choices=GCRegime.MODES, default=list(GCRegime.MODES))
+    parser.add_argument("--kv-events", action="store_true", help="Offloader(kv_events=True), no consumer")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.steps, args.reps = 256, 64, 2
@@ -368,6 +379,7 @@ def main() -> None:
                 "finish_per_iteration": FINISH_PER_ITERATION,
                 "quick": args.quick,
                 "gc_modes": args.gc,
+                "kv_events": args.kv_events,
             },
             "target_us": TARGET_US,
             "worst_us": worst,

@@ -31,6 +31,12 @@ def test_quickstart_example_runs() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_kv_events_example_runs() -> None:
+    proc = _run(["examples/kv_events.py"])
+    assert proc.returncode == 0, proc.stderr
+    assert "closed: the router sees {'cpu': 0}" in proc.stdout
+
+
 def test_reference_is_generated_from_current_docstrings() -> None:
     proc = _run(["tools/gen_reference.py", "--check"])
     assert proc.returncode == 0, proc.stderr

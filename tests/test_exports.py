@@ -111,7 +111,7 @@ def test_init_source_is_only_imports_and_metadata() -> None:
         assert targets in (["__all__"], ["(__getattr__, __dir__)"]), f"line {node.lineno} defines {targets}"
 
 
-@pytest.mark.parametrize("package", ["aiokv", "aiokv.tiers", "aiokv.transfer"])
+@pytest.mark.parametrize("package", ["aiokv", "aiokv.tiers", "aiokv.transfer", "aiokv.events"])
 def test_every_lazy_name_imports_from_its_module(package: str) -> None:
     pkg = importlib.import_module(package)
     for name in pkg.__dir__():
@@ -120,6 +120,16 @@ def test_every_lazy_name_imports_from_its_module(package: str) -> None:
         assert getattr(pkg, name) is not None
     for name in pkg.__all__:
         assert name in pkg.__dir__()
+
+
+def test_the_events_package_exports_the_log_the_stream_and_the_publisher() -> None:
+    import aiokv.events
+
+    assert aiokv.events.__all__ == sorted(aiokv.events.__all__, key=lambda n: (not n[:1].isupper(), n))
+    assert {"KVEventLog", "KVEventStream", "KVSnapshot", "TierEvents", "ZmqEventPublisher"} <= set(
+        aiokv.events.__all__
+    )
+    assert aiokv.events.TierEvents.__module__ == "aiokv.events._emit"
 
 
 def test_names_moved_below_the_top_level_stay_importable_from_it() -> None:

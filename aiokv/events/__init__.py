@@ -6,6 +6,7 @@ import typing
 from .. import _lazy
 
 if typing.TYPE_CHECKING:
+    from ._emit import TierEvents
     from ._log import BlockInfo, EventKind, KVEvent, KVEventLog, KVEventStream, KVSnapshot
     from ._zmq import ZmqEventPublisher, encode_batch
 
@@ -18,6 +19,7 @@ __getattr__, __dir__ = _lazy.attach(
         "KVEventLog": "._log",
         "KVEventStream": "._log",
         "KVSnapshot": "._log",
+        "TierEvents": "._emit",
         "ZmqEventPublisher": "._zmq",
         "encode_batch": "._zmq",
     },
@@ -30,6 +32,7 @@ __all__ = [
     "KVEventLog",
     "KVEventStream",
     "KVSnapshot",
+    "TierEvents",
     "ZmqEventPublisher",
     "encode_batch",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -79,7 +80,9 @@ class KVEventLog:
     def __init__(self, *, buffer: int = 10_000) -> None:
         if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
             raise InvalidArgumentError(f"buffer must be an int >= 1, got {buffer!r}")
-        self._events: deque[KVEvent] = deque(maxlen=buffer)
+        # The buffer holds each event's fields as a plain tuple (cheap to record); KVEvent objects are made for
+        # the readers that ask (events_since), so a log nobody reads costs no event objects.
+        self._events: deque[tuple[Any, ...]] = deque(maxlen=buffer)
         self._state: dict[str, dict[bytes, BlockInfo]] = {}
         self._media: dict[str, str] = {}
         self._seq = 0
@@ -114,26 +117,37 @@ class KVEventLog:
             state[key] = BlockInfo(parent, n, tenant)
             parent = key
         self._append(
-            EventKind.STORED,
-            tier,
-            medium,
-            tuple(block_hashes),
-            parent_hash,
-            block_size,
-            counts,
-            None if token_ids is None else tuple(token_ids),
-            tenant,
+            (
+                EventKind.STORED,
+                tier,
+                medium,
+                tuple(block_hashes),
+                parent_hash,
+                block_size,
+                counts,
+                None if token_ids is None else tuple(token_ids),
+                tenant,
+            )
         )
 
     def removed(self, tier: str, medium: str, block_hashes: Sequence[bytes]) -> None:
         state = self._tier(tier, medium)
         gone = tuple(k for k in block_hashes if state.pop(k, None) is not None)
         if gone:
-            self._append(EventKind.REMOVED, tier, medium, gone, None, 0, (), None, None)
+            self._append((EventKind.REMOVED, tier, medium, gone, None, 0, (), None, None))
 
     def cleared(self, tier: str, medium: str) -> None:
         self._tier(tier, medium).clear()
-        self._append(EventKind.CLEARED, tier, medium, (), None, 0, (), None, None)
+        self._append((EventKind.CLEARED, tier, medium, (), None, 0, (), None, None))
+
+    def declare_tier(self, tier: str, medium: str) -> None:
+        """Make ``tier`` (on ``medium``) part of every snapshot from now on, even while it holds nothing."""
+        self._tier(tier, medium)
+
+    def block(self, tier: str, key: bytes) -> BlockInfo | None:
+        """What the log records for block ``key`` in ``tier`` (``None``: not stored there)."""
+        state = self._state.get(tier)
+        return None if state is None else state.get(key)
 
     def _tier(self, tier: str, medium: str) -> dict[bytes, BlockInfo]:
         state = self._state.get(tier)
@@ -142,34 +156,10 @@ class KVEventLog:
             self._media[tier] = medium
         return state
 
-    def _append(
-        self,
-        kind: EventKind,
-        tier: str,
-        medium: str,
-        block_hashes: tuple[bytes, ...],
-        parent_hash: bytes | None,
-        block_size: int,
-        token_counts: tuple[int, ...],
-        token_ids: tuple[int, ...] | None,
-        tenant: Any,
-    ) -> None:
+    def _append(self, fields: tuple[Any, ...]) -> None:
+        """Record one event: ``fields`` are KVEvent's fields after ``seq`` and before ``ts``."""
         self._seq += 1
-        self._events.append(
-            KVEvent(
-                self._seq,
-                kind,
-                tier,
-                medium,
-                block_hashes,
-                parent_hash,
-                block_size,
-                token_counts,
-                token_ids,
-                tenant,
-                time.time(),
-            )
-        )
+        self._events.append((self._seq, *fields, time.time()))
         if self._waiters and not self._wake_scheduled:
             self._wake_scheduled = True
             asyncio.get_running_loop().call_soon(self._wake)
@@ -187,10 +177,10 @@ class KVEventLog:
         if seq >= self._seq:
             return []
         events = self._events
-        if not events or events[0].seq > seq + 1:
+        if not events or events[0][0] > seq + 1:
             return None
-        start = seq + 1 - events[0].seq
-        return [events[i] for i in range(start, len(events))]
+        start = seq + 1 - events[0][0]
+        return [KVEvent(*fields) for fields in itertools.islice(events, start, None)]
 
     def snapshot(self) -> KVSnapshot:
         return KVSnapshot(

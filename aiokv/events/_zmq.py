@@ -62,7 +62,7 @@ def _snapshot_events(snap: KVSnapshot) -> list[list[Any]]:
 class ZmqEventPublisher:
     """Publishes ``log`` on ``endpoint`` (PUB) with a replay service on ``replay_endpoint`` (ROUTER).
 
-    Use as ``async with ZmqEventPublisher(off.events, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"):``.
+    Use as ``async with ZmqEventPublisher(off.event_log, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"):``
     ``buffer`` messages are kept for replay (vLLM's default is 10,000). Needs ``aiokv[events]`` (pyzmq,
     msgpack)."""
 

@@ -158,6 +158,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "offload", "bool", "no KV offloading: recompute every prompt (for comparison)", flag="--no-offload"
     ),
+    Option(
+        "kv_events_endpoint",
+        "str",
+        "publish KV events (vLLM's ZMQ wire format) on this endpoint, e.g. tcp://*:5557",
+    ),
+    Option("kv_events_replay_endpoint", "str", "the KV events' replay socket, e.g. tcp://*:5558"),
     Option("drain_timeout", "float", "seconds shutdown waits for in-flight requests before aborting them"),
     Option("request_timeout", "float", "seconds a request may take before it is aborted (0: no limit)"),
     Option("api_key", "str", "require 'Authorization: Bearer KEY' on /v1 routes"),
@@ -218,6 +224,8 @@ class ServeConfig:
     tiers: str = "cpu=256MiB"
     eviction: str = "lru"
     offload: bool = True
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
     drain_timeout: float = 30.0
     request_timeout: float = 600.0
     api_key: str | None = None
@@ -250,6 +258,13 @@ class ServeConfig:
             raise InvalidArgumentError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise InvalidArgumentError("api_key must not be empty")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            if getattr(self, name) == "":
+                raise InvalidArgumentError(f"{name} must not be empty")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise InvalidArgumentError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_endpoint is not None and not self.offload:
+            raise InvalidArgumentError("kv_events_endpoint needs offloading (drop --no-offload)")
         if self.offload:
             parse_tiers(self.tiers)
             from ..tiers._policies import policy_names

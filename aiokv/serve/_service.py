@@ -171,7 +171,13 @@ class Service:
 
                 tiers = [spec.build() for spec in cfg.tier_specs]
                 self.offloader = await stack.enter_async_context(
-                    Offloader(cache.layout(), tiers=tiers, eviction=cfg.eviction)
+                    Offloader(
+                        cache.layout(),
+                        tiers=tiers,
+                        eviction=cfg.eviction,
+                        kv_events_endpoint=cfg.kv_events_endpoint,
+                        kv_events_replay_endpoint=cfg.kv_events_replay_endpoint,
+                    )
                 )
             self.engine = await stack.enter_async_context(
                 Engine(

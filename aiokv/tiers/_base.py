@@ -22,9 +22,12 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from ..events._emit import TierEvents
 
 __all__ = ["BackingTier", "TierHealth", "TierSpec"]
 
@@ -60,6 +63,14 @@ class BackingTier(ABC):
     """A tier below the CPU tier, holding fixed-size payloads keyed by 32-byte block hashes."""
 
     name: str = "backing"
+    medium: str = "REMOTE"  # what KV events report this tier's blocks as ("DISK" for a local disk tier)
+    kv_events: TierEvents | None = None  # the tier's event sink while an offloader with KV events uses it
+
+    def attach_events(self, events: TierEvents | None) -> None:
+        """Report content changes to ``events`` (called by the offloader before :meth:`open`; ``None``
+        detaches). A tier reports a block *stored* once a lookup can find it, and *removed* when it evicts
+        the block, drops it as corrupt or finds it gone; a wrapper forwards this to the tier it wraps."""
+        self.kv_events = events
 
     @abstractmethod
     async def open(self, spec: TierSpec) -> None:

@@ -445,6 +445,7 @@ class DiskTier(BackingTier):
     """
 
     name = "disk"
+    medium = "DISK"
 
     def __init__(
         self,
@@ -783,6 +784,9 @@ class DiskTier(BackingTier):
             _restore(index, opened.recovered)
             self._index = index
             recovered = len(opened.recovered)
+            if self.kv_events is not None:  # recovered entries are stored (oldest first); evictions reported
+                index.on_evict = []
+                self.kv_events.stored([key for _, _, key in opened.recovered])
         self._files = opened.files
         self._lock_fd = opened.lock_fd
         self._seq = max((seq for seq, _, _ in opened.recovered), default=0) + 1
@@ -1111,15 +1115,18 @@ class DiskTier(BackingTier):
         """Forget an entry that failed verification or could not be read (unless a read still holds it here,
         or, shared, another process changed it meanwhile or holds the catalog lock right now)."""
         catalog = self._catalog
+        events = self.kv_events
         if catalog is None:
             index = self._local()
-            if index.pins(key) == 0:
-                index.discard(key)
+            if index.pins(key) == 0 and index.discard(key) and events is not None:
+                events.removed([key])
         elif catalog.try_lock():
             try:
-                catalog.drop_locked(slot, key, token)
+                dropped = catalog.drop_locked(slot, key, token)
             finally:
                 catalog.unlock()
+            if dropped and events is not None:
+                events.removed([key])
 
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> int:
         stored, _ = await self._store(keys, payloads, None)
@@ -1228,6 +1235,10 @@ class DiskTier(BackingTier):
                 continue
             plan.indices.append(i)
             plan.slots.append(slot)
+        evicted = index.on_evict
+        if evicted and self.kv_events is not None:
+            self.kv_events.removed(evicted)
+            evicted.clear()
         return plan
 
     async def _reserve_shared(self, keys: Sequence[bytes]) -> _StorePlan | None:
@@ -1265,6 +1276,8 @@ class DiskTier(BackingTier):
                     index.commit(key)
                 else:
                     index.discard(key)
+            if self.kv_events is not None:
+                self.kv_events.stored([key for key, good in zip(wkeys, ok, strict=True) if good])
             return ok, False
         locked, cancelled = await self._lock_catalog(catalog, _COMMIT_LOCK_S)
         if not locked:  # the slots stay reserved until they are reclaimed as stale
@@ -1274,6 +1287,8 @@ class DiskTier(BackingTier):
             committed = catalog.commit_locked(plan.reservations, ok)
         finally:
             catalog.unlock()
+        if self.kv_events is not None:
+            self.kv_events.stored([key for key, good in zip(wkeys, committed, strict=True) if good])
         self._c["dropped_busy"] += sum(ok) - sum(committed)  # taken over meanwhile (we looked stalled)
         return committed, cancelled
 

@@ -30,12 +30,15 @@ import math
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from .._errors import ClosedError, InvalidArgumentError, InvalidTypeError
 from .._log import get_logger
 from ._base import BackingTier, TierHealth, TierSpec, check_buffers
 from ._format import HEADER_SIZE, Damage
+
+if TYPE_CHECKING:
+    from ..events._emit import TierEvents
 
 __all__ = ["FaultyTier", "FaultyTierStats"]
 
@@ -208,6 +211,7 @@ class FaultyTier(BackingTier):
             )
         self.tier = tier
         self.name = f"faulty-{tier.name}"
+        self.medium = tier.medium
         self._faults = faults
         self._dice = _Dice(faults.seed)
         self._enabled = True
@@ -244,6 +248,10 @@ class FaultyTier(BackingTier):
         if not isinstance(value, bool):
             raise InvalidTypeError(f"enabled must be a bool, got {type(value).__name__}")
         self._enabled = value
+
+    def attach_events(self, events: TierEvents | None) -> None:
+        """The wrapped tier reports its own changes (a dropped write never reaches it, so is never reported)."""
+        self.tier.attach_events(events)
 
     # ------------------------------------------------------------- lifecycle
     async def open(self, spec: TierSpec) -> None:

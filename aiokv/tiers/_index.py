@@ -131,6 +131,11 @@ class BlockIndex:
     def free_slots(self) -> int:
         return len(self._free)
 
+    def ready_keys(self) -> list[bytes]:
+        """The keys of every READY entry (what lookups can find), in no particular order. O(entries)."""
+        state = self._state
+        return [key for key, slot in self._slots.items() if state[slot] == _READY]
+
     # ------------------------------------------------------------ lookup / pins
     def pin_prefix(self, keys: Sequence[bytes]) -> list[int]:
         """Pin and touch the leading READY ``keys``; return their slots (the length is the hit count)."""

@@ -770,7 +770,20 @@ class RedisTier(BackingTier):
         while n < len(keys) and all(present == 1 for present in result[n * per : (n + 1) * per]):
             n += 1
         self._c["lookup_hits"] += n
+        if n < len(keys) and self.kv_events is not None:
+            self._report_gone(keys, result, per)
         return n
+
+    def _report_gone(self, keys: Sequence[bytes], present: Sequence[Any], per: int) -> None:
+        """KV events: blocks this tier reported stored that the server says it no longer holds (expired or
+        evicted by the server): removed, as far as this process can see."""
+        assert self.kv_events is not None
+        gone = [
+            key
+            for j, key in enumerate(keys)
+            if any(p == 0 for p in present[j * per : (j + 1) * per]) and self.kv_events.holds(key)
+        ]
+        self.kv_events.removed(gone)
 
     async def read_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
         _, spec = self._live()
@@ -804,6 +817,8 @@ class RedisTier(BackingTier):
             for j, key in enumerate(chunk):
                 verdict = self._assemble(key, values[j * per : (j + 1) * per], outs[done + j])
                 if verdict is None:  # absent, or its node could not serve it: a miss
+                    if self.kv_events is not None and None in values[j * per : (j + 1) * per]:
+                        self.kv_events.removed([key])  # gone from the server (expired, evicted)
                     break
                 if verdict is not Verdict.OK:
                     self._c["corrupt"] += 1
@@ -818,6 +833,8 @@ class RedisTier(BackingTier):
                 accepted += 1
             done += accepted
             if corrupt is not None:
+                if self.kv_events is not None:
+                    self.kv_events.removed([corrupt])
                 await self._delete(self.redis_keys(corrupt), deadline)
             if accepted < len(chunk):
                 break
@@ -933,11 +950,14 @@ class RedisTier(BackingTier):
             result = await self._call(op, deadline, check=_first_unavailable)
             if isinstance(result, _Failed):
                 break  # the buffers may still be referenced by a closing connection: let them go
+            acked: list[bytes] | None = [] if self.kv_events is not None else None
             for j in range(len(bufs)):
                 replies = result[j * per : (j + 1) * per]
                 if all(reply is True for reply in replies):
                     stored += 1
                     stored_damaged += bool(hurt) and hurt[j] is not None
+                    if acked is not None:
+                        acked.append(keys[start + j])
                     continue
                 refusal = next(
                     (r for r in replies if isinstance(r, ResponseError) and not _unavailable(r)), None
@@ -946,6 +966,8 @@ class RedisTier(BackingTier):
                     self._c["rejected"] += 1
                     self._last_error = f"ResponseError: {refusal}"
                     self._log_rejected.event("%s: the server refused a value: %s", self._where, refusal)
+            if acked and self.kv_events is not None:
+                self.kv_events.stored(acked)
             start += len(bufs)
             del items
             # The server answered, so every byte was sent: the buffers can be reused.

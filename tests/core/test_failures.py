@@ -117,7 +117,9 @@ async def test_a_load_that_cannot_be_submitted_releases_its_pins_at_once(
         await _serve(eng, off, "seed", prompt)
         real = aiokv.TransferExecutor._submit
 
-        def refuse_loads(self: aiokv.TransferExecutor, kind: str, *args: Any, **kw: Any) -> aiokv.TransferFuture:
+        def refuse_loads(
+            self: aiokv.TransferExecutor, kind: str, *args: Any, **kw: Any
+        ) -> aiokv.TransferFuture:
             if kind == "load":
                 raise RuntimeError("injected submission failure")
             return real(self, kind, *args, **kw)

@@ -115,6 +115,13 @@ class _Fuzz:
     def invariants(self) -> None:
         off = self.off
         off.cpu.index.check_invariants()
+        log = off.event_log
+        if log is not None:  # KV events: the log holds exactly what each tier's lookups can find, always
+            snap = log.snapshot()
+            assert set(snap.tiers["cpu"]) == set(off.cpu.index.ready_keys())
+            disk = self.faulty.tier if self.faulty is not None else None
+            if isinstance(disk, DiskTier) and disk._index is not None:
+                assert set(snap.tiers["faulty-disk"]) == set(disk._index.ready_keys())
         s = off.stats()
         assert s.in_flight >= 0
         assert s.in_flight_bytes >= 0
@@ -412,6 +419,7 @@ async def test_random_api_sequences_keep_every_invariant(data: st.DataObject) ->
             eviction=data.draw(st.sampled_from(aiokv.policy_names()), label="eviction"),
             store_partial_last_block=data.draw(st.booleans(), label="partial"),
             copy_threads=1,
+            kv_events=data.draw(st.booleans(), label="kv_events"),
         )
         async with off:
             fuzz = _Fuzz(data, off, eng, faulty)

@@ -175,7 +175,6 @@ def test_close_runs_queued_work_and_refuses_more() -> None:
     dev.close()  # idempotent
 
 
-
 def test_a_finalizer_running_under_the_device_lock_does_not_deadlock() -> None:
     """Regression: device memory is untracked by a weakref finalizer, which the garbage collector may run on
     a thread that holds the device's lock (it did, inside ``new_stream``): the lock must be re-entrant."""

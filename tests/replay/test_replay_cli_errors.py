@@ -621,7 +621,10 @@ def test_missing_trace_or_directory_is_refused(
             "aiokv replay: error: argument --model: invalid choice: 'gpt' "
             "(choose from 'llama3-70b', 'llama3-8b', 'mistral-7b', 'qwen2-72b', 'qwen2-7b')",
         ),
-        (["bogus"], "aiokv: error: argument COMMAND: invalid choice: 'bogus' (choose from 'replay', 'serve')"),
+        (
+            ["bogus"],
+            "aiokv: error: argument COMMAND: invalid choice: 'bogus' (choose from 'replay', 'serve')",
+        ),
     ],
 )
 def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
