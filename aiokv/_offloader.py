@@ -626,8 +626,9 @@ class Offloader:
             c.staging_misses += 1
             self._log_tier.event("lookup in tier %r failed, a miss: %r", tier.name, exc)
             return [], []
-        if n is None:
-            return [], []  # past the deadline: counted
+        if n is None:  # past the deadline (counted and logged)
+            c.staging_misses += 1
+            return [], []
         n = min(n, len(rest))
         if n <= 0:
             return [], []
