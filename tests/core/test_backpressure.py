@@ -241,7 +241,9 @@ def test_lane_pool_shutdown_cancels_what_did_not_start() -> None:
 
 # ------------------------------------------------------------------ write-through: shed, never pin
 @pytest.mark.asyncio
-async def test_a_hung_tier_under_a_store_flood_keeps_pins_bounded_and_drops_counted() -> None:
+async def test_a_hung_tier_under_a_store_flood_keeps_pins_bounded_and_drops_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A lower tier stops answering writes. The first batch stays in flight (pinned until the tier answers);
     once the detector sees the tier's rate collapse, the flood is shed at the door (never pinned), the blocks
     queued before are dropped when older than the limit, and every drop is counted; requests finish. When the
@@ -273,6 +275,11 @@ async def test_a_hung_tier_under_a_store_flood_keeps_pins_bounded_and_drops_coun
         assert s.write_through_dropped_slow == wt.dropped_slow
         assert s.write_through_dropped == wt.dropped_slow
         assert wt.expected_delay_s > 5.0
+        shed = [
+            r for r in caplog.records if r.name == "aiokv.offloader" and "write-through to tier" in r.message
+        ]
+        assert shed, "shedding is logged"
+        assert len(shed) == 1  # throttled: one line, the rest counted
         assert s.blocks_stored == 2 + 6 + 80
         # The tier answers again: the batch completes, the detector measures it, and a block offered with
         # nothing ahead of it is always written (so a recovered tier is noticed).
