@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
 from collections.abc import AsyncIterator, Sequence
 
@@ -465,3 +466,86 @@ def test_time_limits_must_be_numbers(name: str) -> None:
     eng = SimEngine(block_size=4)
     with pytest.raises(InvalidTypeError, match=f"^{name} must be a number of seconds or None, got str"):
         Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=8 * eng.layout.slot_bytes)], **{name: "1"})
+
+
+# ------------------------------------------------------------------ seeded schedules: accounting
+class SteppedTier(MemoryTier):
+    """Each write waits until the test ends it: storing its first ``n`` blocks, or failing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[asyncio.Future[int], int]] = []
+
+    async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> int:
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.calls.append((fut, len(keys)))
+        n = await fut
+        for k, p in zip(keys[:n], payloads[:n], strict=True):
+            self.data[k] = bytes(p)
+        return n
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("seed", range(4))
+async def test_seeded_schedules_keep_write_through_accounting_exact(seed: int) -> None:
+    """Random interleavings of store floods, clock jumps and writes that finish, finish partly or fail: every
+    block offered is written, dropped, queued or being written (exactly one), the CPU tier pins exactly the
+    queued and in-flight blocks, no queued block is older than the limit after an offer, and every block the
+    tier stored holds the bytes of the CPU tier's copy."""
+    rng = random.Random(seed)
+    tier = SteppedTier()
+    clock = FakeClock()
+    eng = SimEngine(num_blocks=64, block_size=4)
+    slot = eng.layout.slot_bytes
+    limit = 5.0
+    off = _off(eng, 4096, tier, write_through_max_bytes=24 * slot, write_through_max_delay_s=limit)
+    off._clock = clock
+    async with off:
+        w = _writer(off)
+        served = 0
+        for _step in range(120):
+            action = rng.random()
+            if action < 0.45:
+                nblocks = rng.randint(1, 6)
+                base = 10_000 * (served + 1) + seed * 10**8
+                await _serve(eng, off, f"r{served}", list(range(base, base + 4 * nblocks + 1)))
+                served += 1
+                assert w.stats().oldest_queued_s <= limit
+            elif action < 0.65:
+                clock.now += rng.choice([0.1, 0.5, 1.0, 3.0, 6.0])
+            elif tier.calls and not tier.calls[-1][0].done():
+                fut, k = tier.calls[-1]
+                roll = rng.random()
+                if roll < 0.15:
+                    fut.set_exception(ConnectionError("injected"))
+                else:
+                    fut.set_result(k if roll < 0.7 else rng.randint(0, k))
+            await _spin(5)
+            batch = w._batch_bytes // slot
+            queued = len(w._queue)
+            s = off.stats()
+            assert w.in_flight_bytes == (queued + batch) * slot
+            assert off.cpu.stats().pinned == queued + batch
+            assert s.blocks_stored == w.written + w.dropped + queued + batch
+            assert s.write_through_dropped_slow <= s.write_through_dropped
+        for fut, k in tier.calls:
+            if not fut.done():
+                fut.set_result(k)
+        while True:  # finish whatever is queued, one write at a time
+            await _spin(5)
+            open_calls = [(f, k) for f, k in tier.calls if not f.done()]
+            if not open_calls and not w._queue and not w._batch_bytes:
+                break
+            for f, k in open_calls:
+                f.set_result(k)
+        await off.flush()
+        s = off.stats()
+        assert s.blocks_stored == w.written + w.dropped
+        assert off.cpu.stats().pinned == 0
+        # The schedule exercised every path.
+        assert w.written > 0
+        assert w.dropped_slow > 0
+        assert w.errors > 0
+        index = off.cpu.index
+        for key, payload in tier.data.items():
+            assert bytes(off.cpu.slot_view(index.slot(key))) == payload
