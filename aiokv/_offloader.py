@@ -673,7 +673,7 @@ class Offloader:
             task.add_done_callback(_retrieve)
             raise
         if done:
-            return task.result()
+            return 0 if task.cancelled() else task.result()  # cancelled by a hard close: a miss
         task.cancel()
         task.add_done_callback(_retrieve)
         self._deadline_missed(tier, f"lookup of {len(keys)} blocks")
