@@ -827,9 +827,8 @@ class _WriteThrough:
         self.dropped = 0
         self.dropped_slow = 0  # of ``dropped``: shed because the tier could not keep up within max_delay_s
         self.errors = 0
-        self.rate: float | None = (
-            None  # EWMA of the achieved write rate, bytes/s (None: nothing measured yet)
-        )
+        # EWMA of the achieved write rate, bytes/s (None: nothing measured yet).
+        self.rate: float | None = None
         self._batch_bytes = 0  # the write running now (0: none)
         self._batch_started = 0.0
         self._task = off.loop.create_task(self._run(), name=f"aiokv-write-through-{tier.name}")
