@@ -46,7 +46,11 @@ class CudaDevice(DeviceBinding):
         return torch.cuda.current_stream(self.device)
 
     def new_stream(self, name: str) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        # The load pipe's stream gets the device's highest priority (torch clamps -1 into the supported range):
+        # its scatter kernels are scheduled ahead of the store pipe's gathers and of compute kernels when they
+        # compete for the SMs. Copy engines are not prioritized by the driver; each direction has its own.
+        priority = -1 if name == "load" else 0
+        return torch.cuda.Stream(device=self.device, priority=priority)  # type: ignore[no-untyped-call]
 
     def new_event(self, *, blocking: bool = False) -> torch.cuda.Event:
         # blocking=True: a host wait sleeps in the driver (cudaEventBlockingSync) instead of spinning a core.

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
@@ -27,7 +29,7 @@ from ._hashing import _canon, check_token_ids
 from ._layout import KVLayout
 from ._log import Throttled, get_logger
 from ._request import Request, StepUpdate, step_batch
-from ._stats import Counters, OffloaderStats
+from ._stats import Counters, OffloaderStats, WriteThroughStats
 from .tiers._base import BackingTier, TierSpec
 from .tiers._cpu import CPUTier
 from .tiers._policies import EvictionPolicy
@@ -82,6 +84,16 @@ class Offloader:
             The publisher runs from :meth:`start` to :meth:`aclose`; :attr:`kv_events_publisher` is it.
         kv_events_replay_endpoint: the publisher's replay socket (ZMQ ROUTER) for subscribers that missed
             messages, e.g. ``"tcp://127.0.0.1:5558"``; ``None``: no replay service.
+        write_through_max_delay_s: back-pressure on each lower tier's write-through: a block queued longer than
+            this is dropped, a block is dropped at once when the tier's measured write rate (an EWMA) says what
+            is ahead of it would take longer than this to write, and a write running longer is cancelled. So
+            a slow or hung tier never pins CPU slots for long; drops are counted in
+            ``stats().write_through_dropped_slow`` and logged. ``None``: only ``write_through_max_bytes``
+            bounds the queue. See docs/backpressure.md.
+        lower_tier_deadline_s: staging deadline: a lower tier's lookup plus read of one run of blocks that
+            takes longer is abandoned and the run is a miss (counted in
+            ``stats().lower_tier_deadline_misses``); the CPU slots it was reading into are released only once
+            the tier's read has really ended. ``None``: no deadline (the tiers' own timeouts still apply).
 
     Threads: an offloader and its requests belong to the thread running the event loop it was started on;
     every method of theirs raises :class:`~aiokv.WrongThreadError` when called from another thread (hand calls
@@ -105,6 +117,8 @@ class Offloader:
         kv_events: bool | KVEventLog = False,
         kv_events_endpoint: str | None = None,
         kv_events_replay_endpoint: str | None = None,
+        write_through_max_delay_s: float | None = 5.0,
+        lower_tier_deadline_s: float | None = 10.0,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidTypeError(f"layout must be an aiokv.KVLayout, got {type(layout).__name__}")
@@ -131,6 +145,8 @@ class Offloader:
             raise InvalidArgumentError(f"close_timeout must be >= 0, got {close_timeout!r}")
         endpoints = self._check_event_endpoints(kv_events_endpoint, kv_events_replay_endpoint)
         self._check_kv_events(kv_events)
+        _check_seconds("write_through_max_delay_s", write_through_max_delay_s)
+        _check_seconds("lower_tier_deadline_s", lower_tier_deadline_s)
         device = self._resolve_device(layout, device)
         self.layout = layout
         self.block_size = layout.block_size
@@ -147,6 +163,9 @@ class Offloader:
         self._index = self.cpu.index
         self._write_through_max_bytes = write_through_max_bytes
         self._close_timeout = close_timeout
+        self._write_through_max_delay = write_through_max_delay_s
+        self._lower_tier_deadline = lower_tier_deadline_s
+        self._clock: Callable[[], float] = time.monotonic  # write-through rate and queue ages (tests fake it)
         self._requests: dict[str, Request] = {}
         self._counters = Counters()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -259,7 +278,10 @@ class Offloader:
                 await tier.aclose()
             await self._executor.aclose()
             raise
-        self._writers = [_WriteThrough(self, t, self._write_through_max_bytes) for t in self.lower]
+        self._writers = [
+            _WriteThrough(self, t, self._write_through_max_bytes, self._write_through_max_delay)
+            for t in self.lower
+        ]
         if self._ev_endpoints is not None and self._event_log is not None:
             try:
                 from .events._zmq import ZmqEventPublisher
@@ -800,14 +822,19 @@ class Offloader:
         self, tier: BackingTier, keys: list[bytes], start: int, end: int, source: Any = None
     ) -> tuple[list[bytes], list[int]]:
         """Copy the run of ``keys[start:end]`` held by ``tier`` into fresh CPU slots; pin and return the
-        verified prefix. A tier that fails (or raises) yields a miss from the failing block on."""
+        verified prefix. A tier that fails (or raises) yields a miss from the failing block on; so does one
+        that has not answered the lookup and the read within ``lower_tier_deadline_s``."""
         c = self._counters
         rest = keys[start:end]
+        deadline = None if self._lower_tier_deadline is None else self.loop.time() + self._lower_tier_deadline
         try:
-            n = await tier.lookup(rest)
+            n = await self._tier_lookup(tier, rest, deadline)
         except Exception as exc:
             c.staging_misses += 1
             self._log_tier.event("lookup in tier %r failed, a miss: %r", tier.name, exc)
+            return [], []
+        if n is None:  # past the deadline (counted and logged)
+            c.staging_misses += 1
             return [], []
         n = min(n, len(rest))
         if n <= 0:
@@ -831,7 +858,10 @@ class Offloader:
             self._ev_evicted()
         if not want:
             return [], []
-        got = await self._read_into(tier, want, slots)
+        got = await self._read_into(tier, want, slots, deadline)
+        if got is None:  # abandoned at the deadline: the read keeps its reservations until it ends
+            c.staging_misses += len(want)
+            return [], []
         got = max(0, min(got, len(want)))
         for key in want[got:]:
             index.discard(key)
@@ -846,16 +876,56 @@ class Offloader:
         c.staging_misses += len(want) - got
         return want[:got], slots[:got]
 
-    async def _read_into(self, tier: BackingTier, keys: list[bytes], slots: list[int]) -> int:
-        """``tier.read_into`` the reserved (pending) ``slots``. If the caller is cancelled, the read is
-        cancelled too, and the slots are released only once the read has really ended (a tier's I/O thread
-        may still be writing them)."""
+    async def _tier_lookup(self, tier: BackingTier, keys: list[bytes], deadline: float | None) -> int | None:
+        """``tier.lookup(keys)``, or ``None`` (counted, logged) when it has not answered by ``deadline`` (loop
+        time): the lookup is then cancelled and left to end in the background (it holds no CPU slot)."""
+        if deadline is None:
+            return await tier.lookup(keys)
+        task = self.loop.create_task(tier.lookup(keys), name=f"aiokv-lookup-{tier.name}")
+        self._io.add(task)  # aclose() waits for an abandoned lookup too
+        task.add_done_callback(self._io.discard)
+        try:
+            done, _ = await asyncio.wait((task,), timeout=max(0.0, deadline - self.loop.time()))
+        except asyncio.CancelledError:
+            task.cancel()
+            task.add_done_callback(_retrieve)
+            raise
+        if done:
+            return 0 if task.cancelled() else task.result()  # cancelled by a hard close: a miss
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        self._deadline_missed(tier, f"lookup of {len(keys)} blocks")
+        return None
+
+    def _deadline_missed(self, tier: BackingTier, what: str) -> None:
+        self._counters.lower_tier_deadline_misses += 1
+        self._log_tier.event(
+            "%s in tier %r passed the %.3g s deadline, abandoned (a miss)",
+            what,
+            tier.name,
+            self._lower_tier_deadline,
+        )
+
+    async def _read_into(
+        self, tier: BackingTier, keys: list[bytes], slots: list[int], deadline: float | None = None
+    ) -> int | None:
+        """``tier.read_into`` the reserved (pending) ``slots``. If the caller is cancelled, or the read has not
+        ended by ``deadline`` (loop time; then ``None`` is returned), the read is cancelled too, and the slots
+        are released only once the read has really ended (a tier's I/O thread may still be writing them)."""
         views = [self.cpu.slot_view(s) for s in slots]
         task = self.loop.create_task(tier.read_into(keys, views), name=f"aiokv-stage-{tier.name}")
         self._io.add(task)
         task.add_done_callback(self._io.discard)
         try:
-            return await asyncio.shield(task)
+            if deadline is None:
+                return await asyncio.shield(task)
+            await asyncio.wait((task,), timeout=max(0.0, deadline - self.loop.time()))
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(lambda t: self._abandon_read(t, keys))
+                self._deadline_missed(tier, f"read of {len(keys)} blocks")
+                return None
+            return task.result()
         except asyncio.CancelledError:
             if not task.done():  # the caller was cancelled: abandon the read, keep its slots until it ends
                 task.cancel()
@@ -914,55 +984,179 @@ class Offloader:
             tiers=tuple(tiers),
             eviction=cpu.eviction,
             stores_invalidated=c.stores_invalidated,
+            write_through_dropped_slow=sum(w.dropped_slow for w in self._writers),
+            lower_tier_deadline_misses=c.lower_tier_deadline_misses,
+            write_through=tuple(w.stats() for w in self._writers),
         )
 
     def __repr__(self) -> str:
         return f"<Offloader {self._state} {self.layout.describe()} requests={len(self._requests)}>"
 
 
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Done callback of an abandoned task: its outcome is not news."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _check_seconds(name: str, value: object) -> None:
+    """``value`` must be ``None`` or a finite number of seconds > 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidTypeError(f"{name} must be a number of seconds or None, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be > 0 seconds (or None for no limit), got {value!r}")
+
+
 class _WriteThrough:
-    """Propagates committed CPU blocks to one lower tier, in the background, within a byte budget."""
+    """Propagates committed CPU blocks to one lower tier, in the background, within a byte and a time budget.
+
+    Bounds, per tier: at most ``max_bytes`` queued or being written (beyond it, new blocks are dropped), and,
+    with ``max_delay_s``, no block waits longer than that in the queue (older ones are dropped) nor is offered
+    when the tier's measured write rate (an EWMA over finished writes, lowered while a write runs late) says
+    the bytes already ahead of it would take longer than that to drain; a write running longer than
+    ``max_delay_s`` is cancelled (its blocks stay pinned until the tier's call has really returned). So a
+    slow or hung tier sheds stores early instead of pinning CPU slots; every dropped block is counted and
+    logged (throttled).
+    """
 
     BATCH = 32
+    ALPHA = 0.3  # EWMA weight of the newest write's rate
 
-    def __init__(self, off: Offloader, tier: BackingTier, max_bytes: int) -> None:
+    def __init__(
+        self, off: Offloader, tier: BackingTier, max_bytes: int, max_delay_s: float | None = None
+    ) -> None:
         self._off = off
         self._tier = tier
         self._max_bytes = max_bytes
+        self._max_delay = max_delay_s
+        self._clock: Callable[[], float] = off._clock
         self._slot_bytes = off.layout.slot_bytes
         self._queue: deque[bytes] = deque()
+        self._queued_at: deque[float] = deque()  # when each queued key was offered (clock time)
         self._wake: asyncio.Event = asyncio.Event()
         self._idle: asyncio.Event = asyncio.Event()
         self._idle.set()
         self._closing = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._log = Throttled(_log, logging.WARNING, f"write-through to tier {tier.name!r} dropped (slow)")
         self.in_flight_bytes = 0
         self.written = 0
         self.dropped = 0
+        self.dropped_slow = 0  # of ``dropped``: shed because the tier could not keep up within max_delay_s
         self.errors = 0
+        # EWMA of the achieved write rate, bytes/s (None: nothing measured yet).
+        self.rate: float | None = None
+        self._batch_bytes = 0  # the write running now (0: none)
+        self._batch_started = 0.0
         self._task = off.loop.create_task(self._run(), name=f"aiokv-write-through-{tier.name}")
 
+    # ------------------------------------------------------------ the detector
+    def _estimated_rate(self, now: float) -> float | None:
+        """The tier's write rate as it looks now: the EWMA, lowered to what the running write achieves so far
+        when that is less (a hung tier's rate falls towards zero while its write does not return)."""
+        rate = self.rate
+        if self._batch_bytes:
+            elapsed = now - self._batch_started
+            if elapsed > 0:
+                running = self._batch_bytes / elapsed
+                rate = running if rate is None else min(rate, running)
+        return rate
+
+    def expected_delay_s(self) -> float:
+        """Seconds the bytes queued or being written would take to drain at the estimated rate (0 when nothing
+        is ahead or nothing was measured yet)."""
+        ahead = self.in_flight_bytes
+        if not ahead:
+            return 0.0
+        rate = self._estimated_rate(self._clock())
+        if rate is None:
+            return 0.0
+        return ahead / rate if rate > 0 else float("inf")
+
+    def _shed(self, n: int, why: str) -> None:
+        self.dropped += n
+        self.dropped_slow += n
+        self._log.event(
+            "write-through to tier %r dropped %d blocks: %s (limit %.3g s)",
+            self._tier.name,
+            n,
+            why,
+            self._max_delay,
+        )
+
+    def _expire(self) -> None:
+        """Drop queued blocks offered longer than ``max_delay_s`` ago (never those being written)."""
+        if self._max_delay is None or not self._queue:
+            return
+        limit = self._clock() - self._max_delay
+        times = self._queued_at
+        n = 0
+        while times and times[0] < limit:
+            times.popleft()
+            n += 1
+        if n:
+            expired = [self._queue.popleft() for _ in range(n)]
+            self._off._index.unpin(expired)
+            self.in_flight_bytes -= n * self._slot_bytes
+            self._shed(n, "queued too long, the tier does not keep up")
+            if not self._queue and not self._batch_bytes:
+                self._idle.set()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._expire()
+        self._arm()
+
+    def _arm(self) -> None:
+        """Schedule the expiry of the queue's head (the queue also expires on every offer and batch)."""
+        if self._max_delay is None or self._timer is not None or not self._queued_at or self._closing:
+            return
+        due = self._queued_at[0] + self._max_delay - self._clock()
+        self._timer = self._off.loop.call_later(max(due, 0.0) + 1e-3, self._on_timer)
+
+    # ------------------------------------------------------------ queue
     def offer(self, keys: Sequence[bytes]) -> None:
         """Queue ``keys`` (READY in the CPU tier) for writing; over budget they are dropped and counted."""
         if self._closing:
             self.dropped += len(keys)
             return
+        self._expire()
         index = self._off._index
+        now = self._clock()
+        slot_bytes = self._slot_bytes
+        limit = self._max_delay
+        rate = self._estimated_rate(now) if limit is not None else None
+        slow = 0
         for key in keys:
-            if self.in_flight_bytes + self._slot_bytes > self._max_bytes:
+            ahead = self.in_flight_bytes
+            if ahead + slot_bytes > self._max_bytes:
                 self.dropped += 1
+                continue
+            # Shed early when what is already ahead cannot drain in time; never when nothing is ahead, so a
+            # tier that recovers is measured again by the next block offered.
+            if rate is not None and limit is not None and ahead and (ahead + slot_bytes) > rate * limit:
+                slow += 1
                 continue
             index.pin(key)  # the slot must not be evicted or reused while the tier reads it
             self._queue.append(key)
-            self.in_flight_bytes += self._slot_bytes
+            self._queued_at.append(now)
+            self.in_flight_bytes += slot_bytes
+        if slow:
+            self._shed(slow, f"the tier writes {rate or 0.0:.3g} B/s, too slow for what is queued")
         if self._queue:
             self._idle.clear()
+            self._arm()
         self._wake.set()
 
     async def _run(self) -> None:
         index = self._off._index
         cpu = self._off.cpu
         queue = self._queue
+        times = self._queued_at
         while True:
+            self._expire()
             if not queue:
                 self._idle.set()
                 if self._closing:
@@ -970,29 +1164,72 @@ class _WriteThrough:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = [queue.popleft() for _ in range(min(self.BATCH, len(queue)))]
+            k = min(self.BATCH, len(queue))
+            batch = [queue.popleft() for _ in range(k)]
+            for _ in range(k):
+                times.popleft()
+            nbytes = k * self._slot_bytes
+            self._batch_bytes = nbytes
+            self._batch_started = started = self._clock()
+            timed_out = False
             try:
-                views = [cpu.slot_view(index.slot(k)) for k in batch]
-                n = await self._tier.write(batch, views)
+                views = [cpu.slot_view(index.slot(key)) for key in batch]
+                write = self._tier.write(batch, views)
+                if self._max_delay is None or self._closing:
+                    n = await write
+                else:
+                    n = await asyncio.wait_for(write, self._max_delay)
             except asyncio.CancelledError:
+                self._batch_bytes = 0
                 index.unpin(batch)
-                self.in_flight_bytes -= len(batch) * self._slot_bytes
-                self.dropped += len(batch)
+                self.in_flight_bytes -= nbytes
+                self.dropped += k
                 raise
+            except asyncio.TimeoutError:
+                n = 0
+                timed_out = True
             except Exception:
                 n = 0
                 self.errors += 1
+            self._batch_bytes = 0
+            elapsed = self._clock() - started
             index.unpin(batch)
-            self.in_flight_bytes -= len(batch) * self._slot_bytes
-            self.written += max(0, n)
-            self.dropped += len(batch) - max(0, n)
+            self.in_flight_bytes -= nbytes
+            n = max(0, min(n, k))
+            self.written += n
+            if timed_out:
+                self._shed(k, "a write ran past the limit and was cancelled")
+            else:
+                self.dropped += k - n
+            if timed_out or elapsed > 0:
+                sample = 0.0 if timed_out else nbytes / elapsed
+                prev = self.rate
+                self.rate = sample if prev is None else (1 - self.ALPHA) * prev + self.ALPHA * sample
 
     async def wait_idle(self) -> None:
         if not self._task.done():
             await self._idle.wait()
 
+    def stats(self) -> WriteThroughStats:
+        now = self._clock()
+        return WriteThroughStats(
+            tier=self._tier.name,
+            queued_blocks=len(self._queue),
+            in_flight_bytes=self.in_flight_bytes,
+            written=self.written,
+            dropped=self.dropped,
+            dropped_slow=self.dropped_slow,
+            errors=self.errors,
+            rate_bytes_per_s=self.rate if self.rate is not None else 0.0,
+            expected_delay_s=self.expected_delay_s(),
+            oldest_queued_s=now - self._queued_at[0] if self._queued_at else 0.0,
+        )
+
     async def aclose(self, timeout: float) -> None:
         self._closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._wake.set()
         try:
             await asyncio.wait_for(asyncio.shield(self._task), timeout)
@@ -1006,4 +1243,6 @@ class _WriteThrough:
             self.in_flight_bytes -= len(self._queue) * self._slot_bytes
             self.dropped += len(self._queue)
             self._queue.clear()
+            self._queued_at.clear()
         self._idle.set()
+        self._log.flush()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Counters", "OffloaderStats"]
+__all__ = ["Counters", "OffloaderStats", "WriteThroughStats"]
 
 
 class Counters:
@@ -20,6 +20,7 @@ class Counters:
         "hits",
         "load_errors",
         "lookups",
+        "lower_tier_deadline_misses",
         "misses",
         "requests_finished",
         "requests_opened",
@@ -40,6 +41,7 @@ class Counters:
         self.hits = 0
         self.load_errors = 0
         self.lookups = 0
+        self.lower_tier_deadline_misses = 0
         self.misses = 0
         self.requests_finished = 0
         self.requests_opened = 0
@@ -49,6 +51,22 @@ class Counters:
         self.stores_deduplicated = 0
         self.stores_dropped = 0
         self.stores_invalidated = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WriteThroughStats:
+    """The write-through towards one lower tier: its queue, its measured rate and what it shed."""
+
+    tier: str  # the tier's name
+    queued_blocks: int  # waiting for a write (pinned in the CPU tier)
+    in_flight_bytes: int  # queued or being written
+    written: int  # blocks the tier reported stored
+    dropped: int  # blocks not written (budget full, shed as too slow, failed, closing)
+    dropped_slow: int  # of ``dropped``: shed by the back-pressure (write_through_max_delay_s)
+    errors: int  # writes that raised
+    rate_bytes_per_s: float  # EWMA of the achieved write rate (0.0: nothing measured yet)
+    expected_delay_s: float  # what is queued or being written, over the estimated rate
+    oldest_queued_s: float  # age of the oldest queued block
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +100,9 @@ class OffloaderStats:
     tiers: tuple[Any, ...] = field(default=())
     eviction: str = ""  # the CPU tier's active eviction policy
     stores_invalidated: int = 0  # store skipped: the block's KV was computed over a load whose copy failed
+    write_through_dropped_slow: int = 0  # of write_through_dropped: shed because a tier did not keep up
+    lower_tier_deadline_misses: int = 0  # lower-tier lookups/reads abandoned at lower_tier_deadline_s
+    write_through: tuple[WriteThroughStats, ...] = field(default=())  # one per lower tier
 
     @property
     def hit_rate(self) -> float:

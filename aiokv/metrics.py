@@ -179,6 +179,12 @@ def _offloader_metrics(f: _Families, s: Any, off: Offloader) -> None:
               s.write_through_dropped)  # fmt: skip
     f.gauge("kv_offload_write_through_in_flight_bytes", "Bytes queued or in flight towards lower tiers.",
             s.write_through_in_flight_bytes)  # fmt: skip
+    f.counter("kv_offload_write_through_shed_blocks",
+              "Blocks not written to a lower tier that could not keep up (write_through_max_delay_s).",
+              s.write_through_dropped_slow)  # fmt: skip
+    f.counter("kv_offload_lower_tier_deadline_misses",
+              "Lower-tier lookups and reads abandoned at lower_tier_deadline_s (misses).",
+              s.lower_tier_deadline_misses)  # fmt: skip
     f.gauge("kv_offload_requests_open", "Requests open on the offloader.", s.requests_open)
     f.counter("kv_offload_requests", "Requests opened on the offloader.", s.requests_opened)
     tiers = [("cpu", off.cpu), *((t.name, t) for t in off.lower)]

@@ -56,7 +56,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,6 +78,7 @@ from ._format import (
     pack_header,
 )
 from ._index import BlockIndex
+from ._lanes import LanePool
 from ._policies import EvictionPolicy, make_policy
 
 __all__ = ["DiskTier", "DiskTierStats"]
@@ -164,6 +164,7 @@ class DiskTierStats:
     shared: bool  # several processes may use the directory at once (entries, pending, evictions: theirs too)
     reclaimed: int  # shared: slots taken over from writers that died mid-store (by every process)
     last_error: str | None
+    reads_ahead_of_writes: int = 0  # read jobs an I/O thread took while write jobs were waiting (read lane)
 
 
 class _Geometry:
@@ -492,7 +493,8 @@ class DiskTier(BackingTier):
         self._index: BlockIndex | None = None  # shared=False: this process's index of the directory
         self._catalog: SharedCatalog | None = None  # shared=True: the catalog every process maps
         self._catalog_stats: CatalogStats | None = None  # its last figures, once closed
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: LanePool | None = None
+        self._reads_ahead = 0  # the pool's count, kept once it is gone
         self._lock_fd: int | None = None
         self._opened = False
         self._closed = False
@@ -593,7 +595,8 @@ class DiskTier(BackingTier):
             raise exc
         self._spec = spec
         self._geo = geo
-        self._pool = ThreadPoolExecutor(max_workers=self._io_threads, thread_name_prefix="aiokv-disk")
+        # Reads (staging, i.e. loads) never queue behind writes (write-through): see aiokv.tiers._lanes.
+        self._pool = LanePool(self._io_threads, name="aiokv-disk")
         if exc is None:
             self._install(fut.result(), index)
             return
@@ -873,6 +876,7 @@ class DiskTier(BackingTier):
 
     def _release(self) -> None:
         if self._pool is not None:
+            self._reads_ahead = self._pool.reads_ahead_of_writes
             self._pool.shutdown(wait=False)
             self._pool = None
         if self._files is not None:
@@ -911,24 +915,27 @@ class DiskTier(BackingTier):
         assert self._index is not None
         return self._index
 
-    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    def _submit(self, fn: Callable[..., T], *args: Any, write: bool = False) -> asyncio.Future[T]:
+        """Run ``fn(*args)`` on an I/O thread, in the write lane (stores and their set-up) or the read lane."""
         assert self._pool is not None
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        pool = self._pool
+        fut = asyncio.wrap_future(pool.submit_write(fn, *args) if write else pool.submit(fn, *args))
         self._inflight.add(fut)
         fut.add_done_callback(self._inflight.discard)
         return fut
 
-    def _split(self, n: int, payload_bytes: int) -> list[tuple[int, int]]:
-        """Cut ``n`` entries into up to ``io_threads`` contiguous parts of at least ``_SPLIT_BYTES`` each."""
-        parts = max(1, min(self._io_threads, n, n * payload_bytes // _SPLIT_BYTES))
+    def _split(self, n: int, payload_bytes: int, threads: int | None = None) -> list[tuple[int, int]]:
+        """Cut ``n`` entries into up to ``threads`` (default ``io_threads``) contiguous parts of at least
+        ``_SPLIT_BYTES`` each."""
+        parts = max(1, min(threads or self._io_threads, n, n * payload_bytes // _SPLIT_BYTES))
         bounds = [n * k // parts for k in range(parts + 1)]
         return [(bounds[k], bounds[k + 1]) for k in range(parts)]
 
     async def _run_all(
-        self, calls: list[tuple[Callable[..., T], tuple[Any, ...]]]
+        self, calls: list[tuple[Callable[..., T], tuple[Any, ...]]], *, write: bool = False
     ) -> tuple[list[asyncio.Future[T]], bool]:
         """Run jobs on the I/O threads in parallel; wait for all of them even when cancelled."""
-        futs = [self._submit(fn, *args) for fn, args in calls]
+        futs = [self._submit(fn, *args, write=write) for fn, args in calls]
         cancelled = False
         for fut in futs:
             _, was_cancelled = await _wait_thread(fut)
@@ -973,7 +980,9 @@ class DiskTier(BackingTier):
         assert self._spare_index is not None
         self._probing = True
         try:
-            fut, cancelled = await _wait_thread(self._submit(self._open_sync, self._spec, self._geo))
+            fut, cancelled = await _wait_thread(
+                self._submit(self._open_sync, self._spec, self._geo, write=True)
+            )
         finally:
             self._probing = False
         exc = fut.exception()
@@ -1000,7 +1009,7 @@ class DiskTier(BackingTier):
     async def _write_pending_meta(self, meta: dict[str, Any]) -> bool:
         """After a successful store: write the layout file that there was no room for at open. Returns whether
         a cancellation arrived meanwhile (delivered by the caller)."""
-        fut, cancelled = await _wait_thread(self._submit(_write_meta, self.path, meta))
+        fut, cancelled = await _wait_thread(self._submit(_write_meta, self.path, meta, write=True))
         exc = fut.exception()
         if exc is None and fut.result() is None:
             self._meta_pending = None
@@ -1164,7 +1173,8 @@ class DiskTier(BackingTier):
         wpayloads = [payloads[i] for i in plan.indices]
         wdamage: list[Damage | None] = [damage[i] if damage is not None else None for i in plan.indices]
         seqs = self._sequence_numbers(len(slots))
-        parts = self._split(len(slots), geo.payload_bytes)
+        assert self._pool is not None
+        parts = self._split(len(slots), geo.payload_bytes, self._pool.write_threads)
         try:
             futs, cancelled = await self._run_all(
                 [
@@ -1173,7 +1183,8 @@ class DiskTier(BackingTier):
                         (slots[a:b], wkeys[a:b], wpayloads[a:b], seqs[a:b], wdamage[a:b] if damage else None),
                     )
                     for a, b in parts
-                ]
+                ],
+                write=True,
             )
             ok: list[bool] = []
             err: OSError | None = None
@@ -1344,6 +1355,9 @@ class DiskTier(BackingTier):
             shared=self.shared,
             reclaimed=reclaimed,
             last_error=self._last_error,
+            reads_ahead_of_writes=self._pool.reads_ahead_of_writes
+            if self._pool is not None
+            else self._reads_ahead,
             **self._c,
         )
 
