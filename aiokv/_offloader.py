@@ -343,9 +343,19 @@ class Offloader:
         salt: object = None,
         *,
         extra_keys: Sequence[object] = (),
+        max_store_tokens: int | None = None,
+        max_load_tokens: int | None = None,
+        store_decode: bool = True,
     ) -> Request:
         """Open a request and start its state-machine task. ``salt`` (e.g. a tenant id) makes its block
-        hashes disjoint from other salts'; ``extra_keys`` (LoRA id, multimodal hashes, ...) likewise."""
+        hashes disjoint from other salts'; ``extra_keys`` (LoRA id, multimodal hashes, ...) likewise.
+
+        Per-request caps, counted in tokens from the start of the sequence (prompt, then generated tokens):
+        ``max_store_tokens`` stores only blocks lying entirely within the first ``max_store_tokens`` tokens
+        (``0``: store nothing); ``max_load_tokens`` makes :meth:`Request.lookup` return at most that many
+        tokens; ``store_decode=False`` stores only blocks lying entirely within the prompt, not the blocks
+        completed by generated tokens. ``None`` / ``True`` (the defaults) cap nothing. The caps are applied
+        where blocks are stored and looked up, so :meth:`Request.step` costs the same."""
         self._check_thread("open")
         if self._state != "running":
             raise ClosedError(
@@ -364,7 +374,20 @@ class Offloader:
         _canon(salt)  # validates the salt's type early
         extra = tuple(extra_keys)
         _canon(extra)
-        req = Request(self, key, tokens, salt, extra)
+        _check_token_cap(max_store_tokens, "max_store_tokens")
+        _check_token_cap(max_load_tokens, "max_load_tokens")
+        if not isinstance(store_decode, bool):
+            raise InvalidTypeError(f"store_decode must be a bool, got {type(store_decode).__name__}")
+        req = Request(
+            self,
+            key,
+            tokens,
+            salt,
+            extra,
+            max_store_tokens=max_store_tokens,
+            max_load_tokens=max_load_tokens,
+            store_decode=store_decode,
+        )
         self._requests[key] = req
         self._counters.requests_opened += 1
         req._start()
@@ -788,3 +811,13 @@ class _WriteThrough:
             self.dropped += len(self._queue)
             self._queue.clear()
         self._idle.set()
+
+
+def _check_token_cap(value: object, name: str) -> None:
+    """A per-request token cap: ``None`` or an int >= 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")

@@ -50,6 +50,7 @@ class RequestState(enum.Enum):
 
 
 _EMPTY: list[int] = []
+_NO_CAP = 1 << 62  # tokens: no per-request store or load cap
 _ENDED = (RequestState.FINISHING, RequestState.FINISHED, RequestState.ABORTED)
 _ADMITTING = (RequestState.WAITING, RequestState.PREEMPTED)
 _RUNNING = RequestState.RUNNING  # module constants: read on every step
@@ -189,6 +190,7 @@ class Request:
         "_hashes",
         "_hit_blocks",
         "_in_flight",
+        "_load_cap",
         "_load_ticket",
         "_off",
         "_partial",
@@ -196,15 +198,19 @@ class Request:
         "_pinned_slots",
         "_quiet",
         "_quiet_waiters",
+        "_store_cap",
         "_stored_upto",
         "_task",
         "_task_ended",
         "_waiter",
         "extra_keys",
+        "max_load_tokens",
+        "max_store_tokens",
         "num_computed_tokens",
         "request_id",
         "salt",
         "state",
+        "store_decode",
         "token_ids",
     )
 
@@ -215,12 +221,26 @@ class Request:
         token_ids: list[int],
         salt: object,
         extra_keys: tuple[object, ...],
+        *,
+        max_store_tokens: int | None = None,
+        max_load_tokens: int | None = None,
+        store_decode: bool = True,
     ) -> None:
         self._off = off
         self.request_id = request_id
         self.token_ids = token_ids
         self.salt = salt
         self.extra_keys = extra_keys
+        self.max_store_tokens = max_store_tokens
+        self.max_load_tokens = max_load_tokens
+        self.store_decode = store_decode
+        # Per-request caps, in tokens from the start of the sequence (checked where blocks are stored and
+        # looked up, never per step): only tokens [0, _store_cap) are stored, [0, _load_cap) looked up.
+        store_cap = _NO_CAP if max_store_tokens is None else max_store_tokens
+        if not store_decode:
+            store_cap = min(store_cap, len(token_ids))
+        self._store_cap = store_cap
+        self._load_cap = _NO_CAP if max_load_tokens is None else max_load_tokens
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0
         self._blocks: list[int] = []
@@ -715,6 +735,10 @@ class Request:
         start, end, blocks, mark, epoch = payload
         if self._abort_requested:
             return
+        if end * self._off.block_size > self._store_cap:  # max_store_tokens / store_decode=False
+            end = self._store_cap // self._off.block_size
+            if start >= end:
+                return
         if epoch == self._failed_epoch:
             self._off._counters.stores_invalidated += end - start
             return
@@ -729,7 +753,7 @@ class Request:
 
     def _store_partial(self, payload: tuple[int, int, int, Any, int]) -> None:
         index, block_id, k, mark, epoch = payload
-        if self._abort_requested:
+        if self._abort_requested or index * self._off.block_size + k > self._store_cap:
             return
         if epoch == self._failed_epoch:
             self._off._counters.stores_invalidated += 1
@@ -781,6 +805,9 @@ class Request:
         off = self._off
         bs = off.block_size
         max_blocks = max(0, (len(self.token_ids) - 1) // bs)
+        load_cap = self._load_cap
+        if max_blocks * bs > load_cap:  # max_load_tokens
+            max_blocks = load_cap // bs
         keys = self._chain(max_blocks)[:max_blocks]
         pinned, slots = await off._lookup_and_pin(keys)
         hit = len(pinned)
@@ -789,7 +816,7 @@ class Request:
             # Longest partially filled block continuing the full hit (CPU tier only).
             start = hit * bs
             parent = self._parent(hit)
-            for k in range(min(bs - 1, len(self.token_ids) - 1 - start), 0, -1):
+            for k in range(min(bs - 1, len(self.token_ids) - 1 - start, load_cap - start), 0, -1):
                 key = partial_block_hash(parent, self.token_ids[start : start + k])
                 got = off._pin_ready([key])
                 if got:
