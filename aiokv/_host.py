@@ -44,7 +44,9 @@ class RequestHost(Protocol):
     def _mark(self) -> Any: ...
 
     # ---------------------------------------------------------------- the CPU tier's index
-    async def _lookup_and_pin(self, keys: list[bytes]) -> tuple[list[bytes], list[int]]: ...
+    async def _lookup_and_pin(
+        self, keys: list[bytes], tenant: bytes | None = None
+    ) -> tuple[list[bytes], list[int]]: ...
 
     def _pin_ready(self, keys: Sequence[bytes]) -> list[int]: ...
 
@@ -52,11 +54,23 @@ class RequestHost(Protocol):
 
     # ---------------------------------------------------------------- copies
     def _store_blocks(
-        self, chain: list[bytes], start: int, end: int, blocks: list[int], mark: Any = None
+        self,
+        chain: list[bytes],
+        start: int,
+        end: int,
+        blocks: list[int],
+        mark: Any = None,
+        tenant: bytes | None = None,
     ) -> TransferFuture | None: ...
 
     def _store_one(
-        self, key: bytes, parent: bytes | None, depth: int, block_id: int, mark: Any = None
+        self,
+        key: bytes,
+        parent: bytes | None,
+        depth: int,
+        block_id: int,
+        mark: Any = None,
+        tenant: bytes | None = None,
     ) -> TransferFuture | None: ...
 
     def _load_blocks(

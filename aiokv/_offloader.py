@@ -378,6 +378,7 @@ class Offloader:
         _check_token_cap(max_load_tokens, "max_load_tokens")
         if not isinstance(store_decode, bool):
             raise InvalidTypeError(f"store_decode must be a bool, got {type(store_decode).__name__}")
+        tenant = self.cpu.tenant_key(salt) if self.cpu.has_tenant_quotas else None
         req = Request(
             self,
             key,
@@ -387,6 +388,7 @@ class Offloader:
             max_store_tokens=max_store_tokens,
             max_load_tokens=max_load_tokens,
             store_decode=store_decode,
+            tenant=tenant,
         )
         self._requests[key] = req
         self._counters.requests_opened += 1
@@ -418,7 +420,13 @@ class Offloader:
         self._index.unpin(keys)
 
     def _store_blocks(
-        self, chain: list[bytes], start: int, end: int, blocks: list[int], mark: Any = None
+        self,
+        chain: list[bytes],
+        start: int,
+        end: int,
+        blocks: list[int],
+        mark: Any = None,
+        tenant: bytes | None = None,
     ) -> TransferFuture | None:
         """Reserve CPU slots for blocks ``start..end-1`` (engine blocks ``blocks[i]``, hashes ``chain[i]``) and
         submit one store copy for them."""
@@ -429,7 +437,7 @@ class Offloader:
         ids: list[int] = []
         for i in range(start, end):
             key = chain[i]
-            slot = index.reserve(key, chain[i - 1] if i else None, i)
+            slot = index.reserve(key, chain[i - 1] if i else None, i, tenant)
             if slot is None:
                 if index.state(key) is not None:
                     c.stores_deduplicated += 1
@@ -444,9 +452,15 @@ class Offloader:
         return self._submit_store(keys, slots, ids, mark)
 
     def _store_one(
-        self, key: bytes, parent: bytes | None, depth: int, block_id: int, mark: Any = None
+        self,
+        key: bytes,
+        parent: bytes | None,
+        depth: int,
+        block_id: int,
+        mark: Any = None,
+        tenant: bytes | None = None,
     ) -> TransferFuture | None:
-        slot = self._index.reserve(key, parent, depth)
+        slot = self._index.reserve(key, parent, depth, tenant)
         if slot is None:
             if self._index.state(key) is not None:
                 self._counters.stores_deduplicated += 1
@@ -542,7 +556,9 @@ class Offloader:
         """Pin the leading READY ``keys`` of the CPU tier; their slots."""
         return self._index.pin_prefix(keys)
 
-    async def _lookup_and_pin(self, keys: list[bytes]) -> tuple[list[bytes], list[int]]:
+    async def _lookup_and_pin(
+        self, keys: list[bytes], tenant: bytes | None = None
+    ) -> tuple[list[bytes], list[int]]:
         """Pin the longest prefix of ``keys`` available across all tiers; return its keys and CPU slots.
 
         Blocks in the CPU tier are pinned where they are. Each run of blocks missing from it is staged from the
@@ -565,7 +581,7 @@ class Offloader:
                     break  # keys[pos] is pending in the CPU tier (being stored or staged)
                 ahead_slots = index.pin_prefix(keys[end:])
                 ahead = keys[end : end + len(ahead_slots)]
-                got_keys, got_slots = await self._stage_run(keys, pos, end)
+                got_keys, got_slots = await self._stage_run(keys, pos, end, tenant)
                 pinned.extend(got_keys)
                 slots.extend(got_slots)
                 if len(got_keys) < end - pos:
@@ -586,7 +602,9 @@ class Offloader:
         c.hit_tokens += len(pinned) * self.block_size
         return pinned, slots
 
-    async def _stage_run(self, keys: list[bytes], start: int, end: int) -> tuple[list[bytes], list[int]]:
+    async def _stage_run(
+        self, keys: list[bytes], start: int, end: int, tenant: bytes | None = None
+    ) -> tuple[list[bytes], list[int]]:
         """Stage ``keys[start:end]`` (all missing from the CPU tier) from the lower tiers, fastest first; return
         the pinned prefix that arrived."""
         got_keys: list[bytes] = []
@@ -596,7 +614,7 @@ class Offloader:
             for ti, tier in enumerate(self.lower):
                 if pos == end:
                     break
-                k, s = await self._stage(tier, keys, pos, end)
+                k, s = await self._stage(tier, keys, pos, end, tenant)
                 if not k:
                     continue
                 got_keys.extend(k)
@@ -613,7 +631,7 @@ class Offloader:
         return got_keys, got_slots
 
     async def _stage(
-        self, tier: BackingTier, keys: list[bytes], start: int, end: int
+        self, tier: BackingTier, keys: list[bytes], start: int, end: int, tenant: bytes | None = None
     ) -> tuple[list[bytes], list[int]]:
         """Copy the run of ``keys[start:end]`` held by ``tier`` into fresh CPU slots; pin and return the
         verified prefix. A tier that fails (or raises) yields a miss from the failing block on."""
@@ -633,8 +651,8 @@ class Offloader:
         slots: list[int] = []
         for j, key in enumerate(rest[:n]):
             i = start + j
-            slot = index.reserve(key, keys[i - 1] if i else None, i)
-            if slot is None:  # raced with another stager / store, or no room: stop the run here
+            slot = index.reserve(key, keys[i - 1] if i else None, i, tenant)
+            if slot is None:  # raced with another stager / store, no room, or at quota: stop the run here
                 break
             want.append(key)
             slots.append(slot)

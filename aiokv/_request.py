@@ -202,6 +202,7 @@ class Request:
         "_stored_upto",
         "_task",
         "_task_ended",
+        "_tenant",
         "_waiter",
         "extra_keys",
         "max_load_tokens",
@@ -225,8 +226,10 @@ class Request:
         max_store_tokens: int | None = None,
         max_load_tokens: int | None = None,
         store_decode: bool = True,
+        tenant: bytes | None = None,
     ) -> None:
         self._off = off
+        self._tenant = tenant  # the CPU tier's quota key (canonical salt) when it has tenant quotas
         self.request_id = request_id
         self.token_ids = token_ids
         self.salt = salt
@@ -744,7 +747,7 @@ class Request:
             return
         # What _guarded() does, inline: this runs for every stored block of every request.
         try:
-            tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark)
+            tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark, self._tenant)
         except Exception as exc:
             self._off._store_not_submitted(self.request_id, exc)
             return
@@ -796,7 +799,7 @@ class Request:
     def _do_store_partial(self, index: int, block_id: int, k: int, mark: Any) -> None:
         bs = self._off.block_size
         key = partial_block_hash(self._parent(index), self.token_ids[index * bs : index * bs + k])
-        tf = self._off._store_one(key, self._parent(index), index, block_id, mark)
+        tf = self._off._store_one(key, self._parent(index), index, block_id, mark, self._tenant)
         if tf is not None:
             self._track(tf)
 
@@ -809,7 +812,7 @@ class Request:
         if max_blocks * bs > load_cap:  # max_load_tokens
             max_blocks = load_cap // bs
         keys = self._chain(max_blocks)[:max_blocks]
-        pinned, slots = await off._lookup_and_pin(keys)
+        pinned, slots = await off._lookup_and_pin(keys, self._tenant)
         hit = len(pinned)
         partial = 0
         if off.store_partial_last_block:
