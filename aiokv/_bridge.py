@@ -119,6 +119,7 @@ class ThreadBridge:
         max_store_tokens: int | None = None,
         max_load_tokens: int | None = None,
         store_decode: bool = True,
+        retain_s: float | None = None,
     ) -> concurrent.futures.Future[ThreadRequest]:
         """:meth:`Offloader.open` on the loop; resolves to the request's thread-side handle."""
         tokens = list(prompt_token_ids)
@@ -133,6 +134,7 @@ class ThreadBridge:
                 max_store_tokens=max_store_tokens,
                 max_load_tokens=max_load_tokens,
                 store_decode=store_decode,
+                retain_s=retain_s,
             )
             return ThreadRequest(self, req)
 

@@ -52,6 +52,8 @@ class RequestHost(Protocol):
 
     def _unpin(self, keys: Sequence[bytes]) -> None: ...
 
+    def _retain(self, keys: Sequence[bytes], seconds: float) -> None: ...
+
     # ---------------------------------------------------------------- copies
     def _store_blocks(
         self,

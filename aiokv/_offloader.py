@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -346,6 +347,7 @@ class Offloader:
         max_store_tokens: int | None = None,
         max_load_tokens: int | None = None,
         store_decode: bool = True,
+        retain_s: float | None = None,
     ) -> Request:
         """Open a request and start its state-machine task. ``salt`` (e.g. a tenant id) makes its block
         hashes disjoint from other salts'; ``extra_keys`` (LoRA id, multimodal hashes, ...) likewise.
@@ -355,7 +357,11 @@ class Offloader:
         (``0``: store nothing); ``max_load_tokens`` makes :meth:`Request.lookup` return at most that many
         tokens; ``store_decode=False`` stores only blocks lying entirely within the prompt, not the blocks
         completed by generated tokens. ``None`` / ``True`` (the defaults) cap nothing. The caps are applied
-        where blocks are stored and looked up, so :meth:`Request.step` costs the same."""
+        where blocks are stored and looked up, so :meth:`Request.step` costs the same.
+
+        ``retain_s``: when the request finishes, its blocks in the CPU tier get retention for that many seconds
+        (a conversation's next turn is expected within it): a policy with retention (``eviction="session"``)
+        evicts them only after every block without it until the time is up; other policies ignore it."""
         self._check_thread("open")
         if self._state != "running":
             raise ClosedError(
@@ -378,6 +384,11 @@ class Offloader:
         _check_token_cap(max_load_tokens, "max_load_tokens")
         if not isinstance(store_decode, bool):
             raise InvalidTypeError(f"store_decode must be a bool, got {type(store_decode).__name__}")
+        if retain_s is not None:
+            if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)):
+                raise InvalidTypeError(f"retain_s must be a number or None, got {type(retain_s).__name__}")
+            if not (math.isfinite(retain_s) and retain_s >= 0):
+                raise InvalidArgumentError(f"retain_s must be a finite number >= 0, got {retain_s}")
         tenant = self.cpu.tenant_key(salt) if self.cpu.has_tenant_quotas else None
         req = Request(
             self,
@@ -389,6 +400,7 @@ class Offloader:
             max_load_tokens=max_load_tokens,
             store_decode=store_decode,
             tenant=tenant,
+            retain_s=retain_s,
         )
         self._requests[key] = req
         self._counters.requests_opened += 1
@@ -418,6 +430,12 @@ class Offloader:
     # ------------------------------------------------------------ data path
     def _unpin(self, keys: Sequence[bytes]) -> None:
         self._index.unpin(keys)
+
+    def _retain(self, keys: Sequence[bytes], seconds: float) -> None:
+        """Give ``keys`` retention in the CPU tier's policy, when it has any (SessionPolicy.retain)."""
+        retain = getattr(self._index.policy, "retain", None)
+        if retain is not None:
+            retain(keys, seconds)
 
     def _store_blocks(
         self,

@@ -198,6 +198,7 @@ class Request:
         "_pinned_slots",
         "_quiet",
         "_quiet_waiters",
+        "_retain_s",
         "_store_cap",
         "_stored_upto",
         "_task",
@@ -227,8 +228,10 @@ class Request:
         max_load_tokens: int | None = None,
         store_decode: bool = True,
         tenant: bytes | None = None,
+        retain_s: float | None = None,
     ) -> None:
         self._off = off
+        self._retain_s = retain_s
         self._tenant = tenant  # the CPU tier's quota key (canonical salt) when it has tenant quotas
         self.request_id = request_id
         self.token_ids = token_ids
@@ -655,6 +658,8 @@ class Request:
                             self._store_partial(payload)
                         await self._drain()  # always: this is what makes the blocks reusable
                         self._unpin()
+                        if kind is _Ev.FINISH and self._retain_s is not None:
+                            self._off._retain(self._hashes[: self._stored_upto], self._retain_s)
                         result = None
                         if kind is not _Ev.PREEMPT:
                             self.state = RequestState.FINISHED if kind is _Ev.FINISH else RequestState.ABORTED

@@ -25,9 +25,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._errors import InvalidArgumentError
@@ -530,13 +531,26 @@ class SessionPolicy(EvictionPolicy):
       ``step * max(len(B2) / len(B1), 1)``; one found in B2 grows it by ``step * max(len(B1) / len(B2), 1)``
       (ARC's rule, in clock ticks instead of list sizes). Either way the block enters T2.
 
-    Only past accesses and the hints are used. O(1) per operation; the ghosts cost ``2 * ghost * capacity``
+    - **Retention.** :meth:`retain` gives blocks (a finished conversation's, until its next turn is expected)
+      retention until ``seconds`` from now on ``clock``: while it lasts they are offered for eviction only after
+      every block without it, in the same order among themselves. It is a priority, not a pin: a tier full of
+      retained blocks still evicts.
+
+    Only past accesses and the hints are used. O(1) per operation without retention (with retention,
+    eviction skips the retained blocks at the head of the order); the ghosts cost ``2 * ghost * capacity``
     keys at most.
     """
 
     name = "session"
 
-    def __init__(self, capacity: int, *, ghost: int = 4, step: float | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        ghost: int = 4,
+        step: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise InvalidArgumentError(f"capacity must be a positive int, got {capacity!r}")
         if isinstance(ghost, bool) or not isinstance(ghost, int) or ghost < 0:
@@ -557,6 +571,9 @@ class SessionPolicy(EvictionPolicy):
         self._stamp: dict[bytes, int] = {}
         self._clock = 0
         self._next_cold: bytes | None = None
+        self._now = clock
+        self._retained: dict[bytes, float] = {}  # resident key -> deadline on ``clock``
+        self._deadlines: list[tuple[float, bytes]] = []  # heap, for dropping expired retention
 
     def __repr__(self) -> str:
         return (
@@ -574,9 +591,34 @@ class SessionPolicy(EvictionPolicy):
     def t2(self) -> list[bytes]:
         return list(self._t2)
 
+    def retained(self) -> list[bytes]:
+        return list(self._retained)
+
     def hint_cold(self, key: bytes) -> None:
         """If the next key inserted is ``key``, it is cold: evicted before any other block until it is hit."""
         self._next_cold = key
+
+    def retain(self, keys: Iterable[bytes], seconds: float) -> None:
+        """Retain the resident ``keys`` for ``seconds`` (from now on the policy's clock): they are evicted only
+        after every block without retention. Keys not resident are ignored; a longer retention is kept."""
+        deadline = self._now() + seconds
+        retained = self._retained
+        stamp = self._stamp
+        for key in keys:
+            if key in stamp and retained.get(key, -math.inf) < deadline:
+                retained[key] = deadline
+                heapq.heappush(self._deadlines, (deadline, key))
+
+    def _expire(self) -> None:
+        now = self._now()
+        heap = self._deadlines
+        retained = self._retained
+        while heap and heap[0][0] <= now:
+            deadline, key = heapq.heappop(heap)
+            if retained.get(key) == deadline:
+                del retained[key]
+        if not retained:
+            heap.clear()
 
     def insert(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> None:
         if key in self._stamp:  # a second insert is a hit
@@ -625,6 +667,8 @@ class SessionPolicy(EvictionPolicy):
     def remove(self, key: bytes, evicted: bool) -> None:
         if self._stamp.pop(key, None) is None:
             return
+        if self._retained:
+            self._retained.pop(key, None)
         if key in self._t1:
             self._t1.pop(key)
             ghosts = self._b1
@@ -648,6 +692,20 @@ class SessionPolicy(EvictionPolicy):
         return self._stamp[h1] <= self._stamp[h2] + self.bonus
 
     def candidates(self) -> Iterator[bytes]:
+        if not self._retained:
+            return self._candidates()
+        now = self._now()
+        retained = self._retained
+
+        def held(key: bytes) -> bool:
+            return retained.get(key, -math.inf) > now
+
+        # Without retention first, then the retained blocks, each in the policy's order.
+        return itertools.chain(
+            (k for k in self._candidates() if not held(k)), (k for k in self._candidates() if held(k))
+        )
+
+    def _candidates(self) -> Iterator[bytes]:
         yield from self._cold
         i1, i2 = iter(self._t1), iter(self._t2)
         h1, h2 = next(i1, None), next(i2, None)
@@ -660,6 +718,13 @@ class SessionPolicy(EvictionPolicy):
                 h2 = next(i2, None)
 
     def _pop_victim(self) -> bytes | None:
+        if self._retained:
+            self._expire()
+            if self._retained:
+                for key in self.candidates():
+                    self.remove(key, evicted=True)
+                    return key
+                return None
         if self._cold:
             key = self._cold.pop_first()
             del self._stamp[key]

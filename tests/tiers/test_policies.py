@@ -458,3 +458,45 @@ def test_session_pop_victim_is_the_first_candidate_and_candidates_are_the_reside
         assert len(listed) == len(set(listed)) == len(p)
         assert set(listed) == resident
         assert list(p.candidates()) == listed
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_session_retained_blocks_go_after_the_others_until_the_deadline() -> None:
+    clock = _Clock()
+    p = SessionPolicy(8, clock=clock)
+    for key in (a, b, c):
+        p.insert(key)
+    p.retain([a, b, x], 10.0)  # x is not resident: ignored
+    assert p.retained() == [a, b]
+    assert order(p) == [c, a, b]
+    clock.now = 109.9
+    assert evict(p) == c
+    assert p._pop_victim() == a  # everything is retained: still evictable, in the usual order
+    clock.now = 110.0  # b's retention is over
+    p.insert(d)
+    assert order(p) == [b, d]
+    assert p._pop_victim() == b
+    assert p.retained() == []
+
+
+def test_session_retention_keeps_the_longer_deadline_and_dropped_keys_lose_it() -> None:
+    clock = _Clock()
+    p = SessionPolicy(8, clock=clock)
+    p.insert(a)
+    p.insert(b)
+    p.retain([a], 10.0)
+    p.retain([a], 1.0)
+    clock.now = 105.0
+    assert order(p) == [b, a]
+    p.remove(a, evicted=False)
+    assert p.retained() == []
+    p.insert(a)
+    assert order(p) == [b, a]  # a fresh insert, not retained
+    assert p.retained() == []
