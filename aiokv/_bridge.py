@@ -116,13 +116,27 @@ class ThreadBridge:
         salt: object = None,
         *,
         extra_keys: Sequence[object] = (),
+        max_store_tokens: int | None = None,
+        max_load_tokens: int | None = None,
+        store_decode: bool = True,
+        retain_s: float | None = None,
     ) -> concurrent.futures.Future[ThreadRequest]:
         """:meth:`Offloader.open` on the loop; resolves to the request's thread-side handle."""
         tokens = list(prompt_token_ids)
         extra = tuple(extra_keys)
 
         def op() -> ThreadRequest:
-            return ThreadRequest(self, self._off.open(request_id, tokens, salt, extra_keys=extra))
+            req = self._off.open(
+                request_id,
+                tokens,
+                salt,
+                extra_keys=extra,
+                max_store_tokens=max_store_tokens,
+                max_load_tokens=max_load_tokens,
+                store_decode=store_decode,
+                retain_s=retain_s,
+            )
+            return ThreadRequest(self, req)
 
         return call_in_loop(self._loop, op)
 

@@ -45,12 +45,14 @@ class RequestHost(Protocol):
 
     # ---------------------------------------------------------------- the CPU tier's index
     async def _lookup_and_pin(
-        self, keys: list[bytes], source: Any = None
+        self, keys: list[bytes], source: Any = None, tenant: bytes | None = None
     ) -> tuple[list[bytes], list[int]]: ...
 
     def _pin_ready(self, keys: Sequence[bytes]) -> list[int]: ...
 
     def _unpin(self, keys: Sequence[bytes]) -> None: ...
+
+    def _retain(self, keys: Sequence[bytes], seconds: float) -> None: ...
 
     # ---------------------------------------------------------------- copies
     def _store_blocks(
@@ -61,6 +63,7 @@ class RequestHost(Protocol):
         blocks: list[int],
         mark: Any = None,
         source: Any = None,
+        tenant: bytes | None = None,
     ) -> TransferFuture | None: ...
 
     def _store_one(
@@ -72,6 +75,7 @@ class RequestHost(Protocol):
         mark: Any = None,
         source: Any = None,
         num_tokens: int | None = None,
+        tenant: bytes | None = None,
     ) -> TransferFuture | None: ...
 
     def _load_blocks(

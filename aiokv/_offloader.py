@@ -539,9 +539,24 @@ class Offloader:
         salt: object = None,
         *,
         extra_keys: Sequence[object] = (),
+        max_store_tokens: int | None = None,
+        max_load_tokens: int | None = None,
+        store_decode: bool = True,
+        retain_s: float | None = None,
     ) -> Request:
         """Open a request and start its state-machine task. ``salt`` (e.g. a tenant id) makes its block
-        hashes disjoint from other salts'; ``extra_keys`` (LoRA id, multimodal hashes, ...) likewise."""
+        hashes disjoint from other salts'; ``extra_keys`` (LoRA id, multimodal hashes, ...) likewise.
+
+        Per-request caps, counted in tokens from the start of the sequence (prompt, then generated tokens):
+        ``max_store_tokens`` stores only blocks lying entirely within the first ``max_store_tokens`` tokens
+        (``0``: store nothing); ``max_load_tokens`` makes :meth:`Request.lookup` return at most that many
+        tokens; ``store_decode=False`` stores only blocks lying entirely within the prompt, not the blocks
+        completed by generated tokens. ``None`` / ``True`` (the defaults) cap nothing. The caps are applied
+        where blocks are stored and looked up, so :meth:`Request.step` costs the same.
+
+        ``retain_s``: when the request finishes, its blocks in the CPU tier get retention for that many seconds
+        (a conversation's next turn is expected within it): a policy with retention (``eviction="session"``)
+        evicts them only after every block without it until the time is up; other policies ignore it."""
         self._check_thread("open")
         if self._state != "running":
             raise ClosedError(
@@ -560,7 +575,28 @@ class Offloader:
         _canon(salt)  # validates the salt's type early
         extra = tuple(extra_keys)
         _canon(extra)
-        req = Request(self, key, tokens, salt, extra)
+        _check_token_cap(max_store_tokens, "max_store_tokens")
+        _check_token_cap(max_load_tokens, "max_load_tokens")
+        if not isinstance(store_decode, bool):
+            raise InvalidTypeError(f"store_decode must be a bool, got {type(store_decode).__name__}")
+        if retain_s is not None:
+            if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)):
+                raise InvalidTypeError(f"retain_s must be a number or None, got {type(retain_s).__name__}")
+            if not (math.isfinite(retain_s) and retain_s >= 0):
+                raise InvalidArgumentError(f"retain_s must be a finite number >= 0, got {retain_s}")
+        tenant = self.cpu.tenant_key(salt) if self.cpu.has_tenant_quotas else None
+        req = Request(
+            self,
+            key,
+            tokens,
+            salt,
+            extra,
+            max_store_tokens=max_store_tokens,
+            max_load_tokens=max_load_tokens,
+            store_decode=store_decode,
+            tenant=tenant,
+            retain_s=retain_s,
+        )
         self._requests[key] = req
         self._counters.requests_opened += 1
         req._start()
@@ -590,6 +626,12 @@ class Offloader:
     def _unpin(self, keys: Sequence[bytes]) -> None:
         self._index.unpin(keys)
 
+    def _retain(self, keys: Sequence[bytes], seconds: float) -> None:
+        """Give ``keys`` retention in the CPU tier's policy, when it has any (SessionPolicy.retain)."""
+        retain = getattr(self._index.policy, "retain", None)
+        if retain is not None:
+            retain(keys, seconds)
+
     def _store_blocks(
         self,
         chain: list[bytes],
@@ -598,6 +640,7 @@ class Offloader:
         blocks: list[int],
         mark: Any = None,
         source: Any = None,
+        tenant: bytes | None = None,
     ) -> TransferFuture | None:
         """Reserve CPU slots for blocks ``start..end-1`` (engine blocks ``blocks[i]``, hashes ``chain[i]``) and
         submit one store copy for them. ``source`` (the storing request) names the blocks' tenant and tokens
@@ -612,7 +655,7 @@ class Offloader:
         for i in range(start, end):
             key = chain[i]
             parent = chain[i - 1] if i else None
-            slot = index.reserve(key, parent, i)
+            slot = index.reserve(key, parent, i, tenant)
             if slot is None:
                 if index.state(key) is not None:
                     c.stores_deduplicated += 1
@@ -639,8 +682,9 @@ class Offloader:
         mark: Any = None,
         source: Any = None,
         num_tokens: int | None = None,
+        tenant: bytes | None = None,
     ) -> TransferFuture | None:
-        slot = self._index.reserve(key, parent, depth)
+        slot = self._index.reserve(key, parent, depth, tenant)
         if self._ev_meta is not None:
             if slot is not None:
                 count = self.block_size if num_tokens is None else num_tokens
@@ -746,7 +790,9 @@ class Offloader:
         """Pin the leading READY ``keys`` of the CPU tier; their slots."""
         return self._index.pin_prefix(keys)
 
-    async def _lookup_and_pin(self, keys: list[bytes], source: Any = None) -> tuple[list[bytes], list[int]]:
+    async def _lookup_and_pin(
+        self, keys: list[bytes], source: Any = None, tenant: bytes | None = None
+    ) -> tuple[list[bytes], list[int]]:
         """Pin the longest prefix of ``keys`` available across all tiers; return its keys and CPU slots.
 
         Blocks in the CPU tier are pinned where they are. Each run of blocks missing from it is staged from the
@@ -769,7 +815,7 @@ class Offloader:
                     break  # keys[pos] is pending in the CPU tier (being stored or staged)
                 ahead_slots = index.pin_prefix(keys[end:])
                 ahead = keys[end : end + len(ahead_slots)]
-                got_keys, got_slots = await self._stage_run(keys, pos, end, source)
+                got_keys, got_slots = await self._stage_run(keys, pos, end, source, tenant)
                 pinned.extend(got_keys)
                 slots.extend(got_slots)
                 if len(got_keys) < end - pos:
@@ -791,7 +837,7 @@ class Offloader:
         return pinned, slots
 
     async def _stage_run(
-        self, keys: list[bytes], start: int, end: int, source: Any = None
+        self, keys: list[bytes], start: int, end: int, source: Any = None, tenant: bytes | None = None
     ) -> tuple[list[bytes], list[int]]:
         """Stage ``keys[start:end]`` (all missing from the CPU tier) from the lower tiers, fastest first; return
         the pinned prefix that arrived."""
@@ -802,7 +848,7 @@ class Offloader:
             for ti, tier in enumerate(self.lower):
                 if pos == end:
                     break
-                k, s = await self._stage(tier, keys, pos, end, source)
+                k, s = await self._stage(tier, keys, pos, end, source, tenant)
                 if not k:
                     continue
                 got_keys.extend(k)
@@ -819,7 +865,13 @@ class Offloader:
         return got_keys, got_slots
 
     async def _stage(
-        self, tier: BackingTier, keys: list[bytes], start: int, end: int, source: Any = None
+        self,
+        tier: BackingTier,
+        keys: list[bytes],
+        start: int,
+        end: int,
+        source: Any = None,
+        tenant: bytes | None = None,
     ) -> tuple[list[bytes], list[int]]:
         """Copy the run of ``keys[start:end]`` held by ``tier`` into fresh CPU slots; pin and return the
         verified prefix. A tier that fails (or raises) yields a miss from the failing block on; so does one
@@ -847,8 +899,8 @@ class Offloader:
         for j, key in enumerate(rest[:n]):
             i = start + j
             parent = keys[i - 1] if i else None
-            slot = index.reserve(key, parent, i)
-            if slot is None:  # raced with another stager / store, or no room: stop the run here
+            slot = index.reserve(key, parent, i, tenant)
+            if slot is None:  # raced with another stager / store, no room, or at quota: stop the run here
                 break
             want.append(key)
             slots.append(slot)
@@ -1246,3 +1298,13 @@ class _WriteThrough:
             self._queued_at.clear()
         self._idle.set()
         self._log.flush()
+
+
+def _check_token_cap(value: object, name: str) -> None:
+    """A per-request token cap: ``None`` or an int >= 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")

@@ -50,6 +50,7 @@ class RequestState(enum.Enum):
 
 
 _EMPTY: list[int] = []
+_NO_CAP = 1 << 62  # tokens: no per-request store or load cap
 _ENDED = (RequestState.FINISHING, RequestState.FINISHED, RequestState.ABORTED)
 _ADMITTING = (RequestState.WAITING, RequestState.PREEMPTED)
 _RUNNING = RequestState.RUNNING  # module constants: read on every step
@@ -189,6 +190,7 @@ class Request:
         "_hashes",
         "_hit_blocks",
         "_in_flight",
+        "_load_cap",
         "_load_ticket",
         "_off",
         "_partial",
@@ -196,15 +198,21 @@ class Request:
         "_pinned_slots",
         "_quiet",
         "_quiet_waiters",
+        "_retain_s",
+        "_store_cap",
         "_stored_upto",
         "_task",
         "_task_ended",
+        "_tenant",
         "_waiter",
         "extra_keys",
+        "max_load_tokens",
+        "max_store_tokens",
         "num_computed_tokens",
         "request_id",
         "salt",
         "state",
+        "store_decode",
         "token_ids",
     )
 
@@ -215,12 +223,30 @@ class Request:
         token_ids: list[int],
         salt: object,
         extra_keys: tuple[object, ...],
+        *,
+        max_store_tokens: int | None = None,
+        max_load_tokens: int | None = None,
+        store_decode: bool = True,
+        tenant: bytes | None = None,
+        retain_s: float | None = None,
     ) -> None:
         self._off = off
+        self._retain_s = retain_s
+        self._tenant = tenant  # the CPU tier's quota key (canonical salt) when it has tenant quotas
         self.request_id = request_id
         self.token_ids = token_ids
         self.salt = salt
         self.extra_keys = extra_keys
+        self.max_store_tokens = max_store_tokens
+        self.max_load_tokens = max_load_tokens
+        self.store_decode = store_decode
+        # Per-request caps, in tokens from the start of the sequence (checked where blocks are stored and
+        # looked up, never per step): only tokens [0, _store_cap) are stored, [0, _load_cap) looked up.
+        store_cap = _NO_CAP if max_store_tokens is None else max_store_tokens
+        if not store_decode:
+            store_cap = min(store_cap, len(token_ids))
+        self._store_cap = store_cap
+        self._load_cap = _NO_CAP if max_load_tokens is None else max_load_tokens
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0
         self._blocks: list[int] = []
@@ -632,6 +658,8 @@ class Request:
                             self._store_partial(payload)
                         await self._drain()  # always: this is what makes the blocks reusable
                         self._unpin()
+                        if kind is _Ev.FINISH and self._retain_s is not None:
+                            self._off._retain(self._hashes[: self._stored_upto], self._retain_s)
                         result = None
                         if kind is not _Ev.PREEMPT:
                             self.state = RequestState.FINISHED if kind is _Ev.FINISH else RequestState.ABORTED
@@ -715,12 +743,16 @@ class Request:
         start, end, blocks, mark, epoch = payload
         if self._abort_requested:
             return
+        if end * self._off.block_size > self._store_cap:  # max_store_tokens / store_decode=False
+            end = self._store_cap // self._off.block_size
+            if start >= end:
+                return
         if epoch == self._failed_epoch:
             self._off._counters.stores_invalidated += end - start
             return
         # What _guarded() does, inline: this runs for every stored block of every request.
         try:
-            tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark, self)
+            tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark, self, self._tenant)
         except Exception as exc:
             self._off._store_not_submitted(self.request_id, exc)
             return
@@ -729,7 +761,7 @@ class Request:
 
     def _store_partial(self, payload: tuple[int, int, int, Any, int]) -> None:
         index, block_id, k, mark, epoch = payload
-        if self._abort_requested:
+        if self._abort_requested or index * self._off.block_size + k > self._store_cap:
             return
         if epoch == self._failed_epoch:
             self._off._counters.stores_invalidated += 1
@@ -772,7 +804,7 @@ class Request:
     def _do_store_partial(self, index: int, block_id: int, k: int, mark: Any) -> None:
         bs = self._off.block_size
         key = partial_block_hash(self._parent(index), self.token_ids[index * bs : index * bs + k])
-        tf = self._off._store_one(key, self._parent(index), index, block_id, mark, self, k)
+        tf = self._off._store_one(key, self._parent(index), index, block_id, mark, self, k, self._tenant)
         if tf is not None:
             self._track(tf)
 
@@ -781,15 +813,18 @@ class Request:
         off = self._off
         bs = off.block_size
         max_blocks = max(0, (len(self.token_ids) - 1) // bs)
+        load_cap = self._load_cap
+        if max_blocks * bs > load_cap:  # max_load_tokens
+            max_blocks = load_cap // bs
         keys = self._chain(max_blocks)[:max_blocks]
-        pinned, slots = await off._lookup_and_pin(keys, self)
+        pinned, slots = await off._lookup_and_pin(keys, self, self._tenant)
         hit = len(pinned)
         partial = 0
         if off.store_partial_last_block:
             # Longest partially filled block continuing the full hit (CPU tier only).
             start = hit * bs
             parent = self._parent(hit)
-            for k in range(min(bs - 1, len(self.token_ids) - 1 - start), 0, -1):
+            for k in range(min(bs - 1, len(self.token_ids) - 1 - start, load_cap - start), 0, -1):
                 key = partial_block_hash(parent, self.token_ids[start : start + k])
                 got = off._pin_ready([key])
                 if got:

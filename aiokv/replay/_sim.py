@@ -225,7 +225,11 @@ def _run(
     staged = [0] * m
     total_hit_tokens = 0
     step_refs = 0
-    pending: deque[tuple[tuple[bytes, ...], int]] = deque()
+    pending: deque[tuple[tuple[bytes, ...], int, bool]] = deque()
+    # Policies that take hints (SessionPolicy) learn that a prompt's last block is partial: the next turn
+    # continues the prompt inside it, so that key will not come back. Known when the request is stored.
+    hint_cold = [getattr(ix.policy, "hint_cold", None) for ix in indexes]
+    hinted = [t for t in range(m) if hint_cold[t] is not None]
     for req in trace.requests:
         keys = req.keys
         n = len(keys)
@@ -251,9 +255,12 @@ def _run(
                     staged[t] += indexes[t].insert_chain(head, start)
         # 3. store the recomputed blocks in every tier, after ``inflight`` later requests have looked up
         if pos < n:
-            pending.append((keys, pos))
+            pending.append((keys, pos, limit < n * bt))
         while len(pending) > inflight:
-            done_keys, done_pos = pending.popleft()
+            done_keys, done_pos, partial = pending.popleft()
+            if partial:
+                for t in hinted:
+                    hint_cold[t](done_keys[-1])  # type: ignore[misc]
             for t in range(m):
                 stored[t] += indexes[t].insert_chain(done_keys, done_pos)
         if progress is not None:
@@ -262,7 +269,10 @@ def _run(
                 progress(step_refs)
                 step_refs = 0
     while pending:  # requests still in flight at the end of the trace
-        done_keys, done_pos = pending.popleft()
+        done_keys, done_pos, partial = pending.popleft()
+        if partial:
+            for t in hinted:
+                hint_cold[t](done_keys[-1])  # type: ignore[misc]
         for t in range(m):
             stored[t] += indexes[t].insert_chain(done_keys, done_pos)
     if progress is not None and step_refs:

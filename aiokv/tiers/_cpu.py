@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._errors import CapacityError, InvalidArgumentError, InvalidTypeError
+from .._hashing import _canon
 from ._index import BlockIndex
 from ._policies import EvictionPolicy, make_policy
 
@@ -81,6 +83,7 @@ class CPUTier:
         *,
         eviction: str | EvictionPolicy | None = None,
         pinned: bool | None = None,
+        tenant_quota_bytes: Mapping[object, int] | Callable[[object], int | None] | None = None,
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise InvalidTypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
@@ -91,6 +94,21 @@ class CPUTier:
         self.capacity_bytes = capacity_bytes
         self.eviction = eviction
         self.pinned = pinned
+        # Tenant quotas: canonical salt -> bytes (a mapping, checked here), or a callable asked once per tenant.
+        self.tenant_quota_bytes = tenant_quota_bytes
+        self._quota_fn: Callable[[object], int | None] | None = None
+        self._quota_bytes: dict[bytes, int | None] = {}
+        if tenant_quota_bytes is not None:
+            if isinstance(tenant_quota_bytes, Mapping):
+                for salt, quota in tenant_quota_bytes.items():
+                    self._quota_bytes[_canon(salt, "tenant_quota_bytes keys")] = _check_quota(quota, salt)
+            elif callable(tenant_quota_bytes):
+                self._quota_fn = tenant_quota_bytes
+            else:
+                raise InvalidTypeError(
+                    "tenant_quota_bytes must be a mapping of salt to bytes, a callable or None, got "
+                    f"{type(tenant_quota_bytes).__name__}"
+                )
         self._index: BlockIndex | None = None
         self._buffer: torch.Tensor | None = None
         self._device: DeviceBinding | None = None
@@ -139,6 +157,32 @@ class CPUTier:
         self._buffer = buffer
         self._index = BlockIndex(num_slots, policy)
         self.slot_bytes = slot_bytes
+        if self.tenant_quota_bytes is not None:
+            quotas = self._quota_bytes
+
+            def quota_slots(tenant: bytes) -> int | None:
+                q = quotas.get(tenant)
+                return None if q is None else q // slot_bytes
+
+            self._index.set_tenant_quota(quota_slots)
+
+    @property
+    def has_tenant_quotas(self) -> bool:
+        return self.tenant_quota_bytes is not None
+
+    def tenant_key(self, salt: object) -> bytes:
+        """The tenant a request with ``salt`` counts against (its canonical salt). With a callable
+        ``tenant_quota_bytes``, the first request of a tenant asks it for that tenant's quota."""
+        key = _canon(salt)
+        if self._quota_fn is not None and key not in self._quota_bytes:
+            self._quota_bytes[key] = _check_quota(self._quota_fn(salt), salt)
+        return key
+
+    def tenant_bytes(self, salt: object) -> int:
+        """Bytes of this tier's slots held by entries of the tenant with ``salt`` (0 without quotas)."""
+        if self._index is None:
+            return 0
+        return self._index.tenant_slots(_canon(salt)) * self.slot_bytes
 
     @property
     def index(self) -> BlockIndex:
@@ -190,3 +234,15 @@ class CPUTier:
 
     def __repr__(self) -> str:
         return f"CPUTier(capacity_bytes={self.capacity_bytes})"
+
+
+def _check_quota(quota: object, salt: object) -> int | None:
+    if quota is None:
+        return None
+    if isinstance(quota, bool) or not isinstance(quota, int):
+        raise InvalidTypeError(
+            f"tenant_quota_bytes for salt {salt!r} must be an int or None, got {type(quota).__name__}"
+        )
+    if quota < 0:
+        raise InvalidArgumentError(f"tenant_quota_bytes for salt {salt!r} must be >= 0, got {quota}")
+    return quota

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .._errors import InvalidArgumentError
@@ -70,9 +70,12 @@ class BlockIndex:
         "_pending",
         "_pinned",
         "_pins",
+        "_quota",
         "_rejected",
         "_slots",
         "_state",
+        "_tenant_of",
+        "_tenant_used",
         "num_slots",
         "on_evict",
         "policy",
@@ -94,6 +97,10 @@ class BlockIndex:
         self._pinned = 0
         self._pending = 0
         self.on_evict: list[bytes] | None = None  # when a list, evicted keys are appended to it
+        # Per-tenant quotas (set_tenant_quota): each slot's tenant and each tenant's slot count.
+        self._quota: Callable[[bytes], int | None] | None = None
+        self._tenant_of: list[bytes | None] | None = None
+        self._tenant_used: dict[bytes, int] = {}
 
     # ----------------------------------------------------------------- queries
     def __len__(self) -> int:
@@ -135,6 +142,42 @@ class BlockIndex:
         """The keys of every READY entry (what lookups can find), in no particular order. O(entries)."""
         state = self._state
         return [key for key, slot in self._slots.items() if state[slot] == _READY]
+
+    # ------------------------------------------------------------------ tenants
+    def set_tenant_quota(self, quota: Callable[[bytes], int | None]) -> None:
+        """Turn on per-tenant quotas: ``quota(tenant)`` is the most slots (pending or ready) entries reserved
+        for ``tenant`` may hold, ``None`` for no limit. A reserve for a tenant at its quota evicts that tenant's
+        own first unpinned candidate (never another tenant's) or, with none, fails. Set it before the first
+        reserve; entries reserved without a tenant count for nobody."""
+        if self._slots:
+            raise InvalidArgumentError("tenant quotas must be set before the first entry is reserved")
+        self._quota = quota
+        self._tenant_of = [None] * self.num_slots
+
+    def tenant_slots(self, tenant: bytes) -> int:
+        """Slots (pending or ready) held by ``tenant``'s entries."""
+        return self._tenant_used.get(tenant, 0)
+
+    def _evict_own(self, tenant: bytes) -> bool:
+        """Evict ``tenant``'s first unpinned candidate in the policy's order; whether there was one."""
+        tenant_of = self._tenant_of
+        assert tenant_of is not None
+        slots = self._slots
+        pins = self._pins
+        victim = None
+        for key in self.policy.candidates():
+            slot = slots[key]
+            if tenant_of[slot] == tenant and pins[slot] == 0:
+                victim = key
+                break
+        if victim is None:
+            return False
+        self.policy.remove(victim, evicted=True)
+        self._release(victim, slots[victim])
+        self._evictions += 1
+        if self.on_evict is not None:
+            self.on_evict.append(victim)
+        return True
 
     # ------------------------------------------------------------ lookup / pins
     def pin_prefix(self, keys: Sequence[bytes]) -> list[int]:
@@ -180,17 +223,29 @@ class BlockIndex:
             self.policy.touch(key)
 
     # -------------------------------------------------------------- store path
-    def reserve(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> int | None:
+    def reserve(
+        self, key: bytes, parent: bytes | None = None, depth: int = 0, tenant: bytes | None = None
+    ) -> int | None:
         """Allocate a slot for a new PENDING entry, evicting if needed.
 
-        Returns ``None`` when ``key`` is already present (it is touched instead) or when every slot is pending
-        or pinned ("no room now" is a value, not an exception).
+        Returns ``None`` when ``key`` is already present (it is touched instead), when every slot is pending
+        or pinned, or when ``tenant`` is at its quota and holds nothing evictable ("no room now" is a value,
+        not an exception).
         """
         slots = self._slots
         if key in slots:
             if self._state[slots[key]] == _READY:
                 self.policy.touch(key)
             return None
+        if self._quota is not None and tenant is not None:
+            limit = self._quota(tenant)
+            if (
+                limit is not None
+                and self._tenant_used.get(tenant, 0) >= limit
+                and not self._evict_own(tenant)
+            ):
+                self._rejected += 1
+                return None
         free = self._free
         if not free and not self._evict_one():
             self._rejected += 1
@@ -202,6 +257,9 @@ class BlockIndex:
         self._parent[slot] = parent
         self._depth[slot] = depth
         self._pending += 1
+        if self._tenant_of is not None and tenant is not None:
+            self._tenant_of[slot] = tenant
+            self._tenant_used[tenant] = self._tenant_used.get(tenant, 0) + 1
         return slot
 
     def commit(self, key: bytes) -> None:
@@ -256,6 +314,16 @@ class BlockIndex:
         return True
 
     def _release(self, key: bytes, slot: int) -> None:
+        tenant_of = self._tenant_of
+        if tenant_of is not None:
+            tenant = tenant_of[slot]
+            if tenant is not None:
+                tenant_of[slot] = None
+                used = self._tenant_used
+                if used[tenant] == 1:
+                    del used[tenant]
+                else:
+                    used[tenant] -= 1
         del self._slots[key]
         self._keys[slot] = None
         self._parent[slot] = None
@@ -335,7 +403,7 @@ class BlockIndex:
     def insert_chain(self, keys: Sequence[bytes], start: int = 0) -> int:
         """:meth:`insert_ready` ``(keys[i], parent=keys[i - 1], depth=i)`` for each ``i >= start``, head first;
         return how many keys were inserted. Present keys are touched; a key that finds no room is skipped."""
-        if self._pinned:  # pins make eviction skip candidates: take the general path
+        if self._pinned or self._tenant_of is not None:  # pins and quotas need the general path
             return self._insert_chain_slow(keys, start)
         if type(self.policy) is LRUPolicy:
             return self._insert_chain_lru(keys, start, self.policy._list)
@@ -503,3 +571,11 @@ class BlockIndex:
         assert set(self.policy.candidates()) == ready, "policy out of sync with ready entries"
         assert self._pinned == sum(1 for slot in self._slots.values() if self._pins[slot] > 0)
         assert self._pending == len(self._slots) - len(ready)
+        if self._tenant_of is not None:
+            counted: dict[bytes, int] = {}
+            for slot in self._slots.values():
+                tenant = self._tenant_of[slot]
+                if tenant is not None:
+                    counted[tenant] = counted.get(tenant, 0) + 1
+            assert counted == self._tenant_used, "tenant slot counts out of sync"
+            assert all(self._tenant_of[slot] is None for slot in self._free)

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._errors import InvalidArgumentError
@@ -36,6 +38,7 @@ __all__ = [
     "ChainLRUPolicy",
     "EvictionPolicy",
     "LRUPolicy",
+    "SessionPolicy",
     "make_policy",
     "policy_names",
     "register_policy",
@@ -511,10 +514,248 @@ class ChainLRUPolicy(EvictionPolicy):
         return len(self._nodes)
 
 
+class SessionPolicy(EvictionPolicy):
+    """Session-aware eviction: recency with an adaptive bonus for reused blocks, and hinted cold blocks first.
+
+    - **Cold blocks first.** :meth:`hint_cold` names a block that no later request is expected to reuse;
+      ``aiokv replay`` names a prompt's last block when the prompt ends inside it (the conversation's next
+      turn continues the prompt inside that block, so the block's key changes). Cold blocks are evicted before
+      any other, least recent first; a hit makes a cold block a reused one.
+    - **Recency with a reuse bonus.** The other blocks are in T1 (not hit since they became resident) or T2
+      (hit again), each a recency list with chain runs like :class:`LRUPolicy`, stamped with the access clock
+      (one tick per insert or hit). The victim is T1's least recent block unless T2's least recent block is
+      older by more than ``bonus`` ticks. ``bonus = 0`` is LRU; a large bonus is ARC with ``p = 0``.
+    - **Adaptation.** Evicted blocks are remembered (ghosts B1 and B2, each at most ``ghost * capacity``
+      keys, longer than ARC's so that conversations returning after more than a cache-full of traffic are
+      seen). A block inserted while in B1 was evicted too early from T1: the bonus shrinks by
+      ``step * max(len(B2) / len(B1), 1)``; one found in B2 grows it by ``step * max(len(B1) / len(B2), 1)``
+      (ARC's rule, in clock ticks instead of list sizes). Either way the block enters T2.
+
+    - **Retention.** :meth:`retain` gives blocks (a finished conversation's, until its next turn is expected)
+      retention until ``seconds`` from now on ``clock``: while it lasts they are offered for eviction only after
+      every block without it, in the same order among themselves. It is a priority, not a pin: a tier full of
+      retained blocks still evicts.
+
+    Only past accesses and the hints are used. O(1) per operation without retention (with retention,
+    eviction skips the retained blocks at the head of the order); the ghosts cost ``2 * ghost * capacity``
+    keys at most.
+    """
+
+    name = "session"
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        ghost: int = 4,
+        step: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise InvalidArgumentError(f"capacity must be a positive int, got {capacity!r}")
+        if isinstance(ghost, bool) or not isinstance(ghost, int) or ghost < 0:
+            raise InvalidArgumentError(f"ghost must be an int >= 0, got {ghost!r}")
+        if step is None:
+            step = capacity / 32
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not step >= 0 or step == math.inf:
+            raise InvalidArgumentError(f"step must be a finite number >= 0, got {step!r}")
+        self.capacity = capacity
+        self.bonus = float(capacity)
+        self._step = float(step)
+        self._ghost_cap = ghost * capacity
+        self._cold = _RecencyList()
+        self._t1 = _RecencyList()
+        self._t2 = _RecencyList()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._stamp: dict[bytes, int] = {}
+        self._clock = 0
+        self._next_cold: bytes | None = None
+        self._now = clock
+        self._retained: dict[bytes, float] = {}  # resident key -> deadline on ``clock``
+        self._deadlines: list[tuple[float, bytes]] = []  # heap, for dropping expired retention
+
+    def __repr__(self) -> str:
+        return (
+            f"<SessionPolicy capacity={self.capacity} bonus={self.bonus:g} cold={len(self._cold)} "
+            f"t1={len(self._t1)} t2={len(self._t2)} b1={len(self._b1)} b2={len(self._b2)}>"
+        )
+
+    # Read-only views for tests and debugging, first victim first within each list.
+    def cold(self) -> list[bytes]:
+        return list(self._cold)
+
+    def t1(self) -> list[bytes]:
+        return list(self._t1)
+
+    def t2(self) -> list[bytes]:
+        return list(self._t2)
+
+    def retained(self) -> list[bytes]:
+        return list(self._retained)
+
+    def hint_cold(self, key: bytes) -> None:
+        """If the next key inserted is ``key``, it is cold: evicted before any other block until it is hit."""
+        self._next_cold = key
+
+    def retain(self, keys: Iterable[bytes], seconds: float) -> None:
+        """Retain the resident ``keys`` for ``seconds`` (from now on the policy's clock): they are evicted only
+        after every block without retention. Keys not resident are ignored; a longer retention is kept."""
+        deadline = self._now() + seconds
+        retained = self._retained
+        stamp = self._stamp
+        for key in keys:
+            if key in stamp and retained.get(key, -math.inf) < deadline:
+                retained[key] = deadline
+                heapq.heappush(self._deadlines, (deadline, key))
+
+    def _expire(self) -> None:
+        now = self._now()
+        heap = self._deadlines
+        retained = self._retained
+        while heap and heap[0][0] <= now:
+            deadline, key = heapq.heappop(heap)
+            if retained.get(key) == deadline:
+                del retained[key]
+        if not retained:
+            heap.clear()
+
+    def insert(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> None:
+        if key in self._stamp:  # a second insert is a hit
+            self.touch(key)
+            return
+        if key == self._next_cold:  # cold blocks take no clock tick: they are outside the T1/T2 order
+            self._next_cold = None
+            self._stamp[key] = self._clock
+            self._cold.push(key, parent)
+            return
+        self._insert(key, parent)
+
+    def _insert(self, key: bytes, parent: bytes | None) -> None:
+        self._clock += 1
+        self._stamp[key] = self._clock
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self.bonus = max(0.0, self.bonus - self._step * max(len(b2) / len(b1), 1.0))
+            del b1[key]
+            self._t2.push(key, parent)
+        elif key in b2:
+            self.bonus += self._step * max(len(b1) / len(b2), 1.0)
+            del b2[key]
+            self._t2.push(key, parent)
+        else:
+            self._t1.push(key, parent)
+
+    def touch(self, key: bytes) -> None:
+        if key not in self._stamp:
+            return
+        cold = self._cold
+        if key in cold:  # a hit on a cold block: it joins the order as if stored now, then is hit
+            parent = cold.parent(key)
+            cold.pop(key)
+            self._insert(key, parent)
+        self._clock += 1
+        self._stamp[key] = self._clock
+        t1 = self._t1
+        if key in t1:
+            parent = t1.parent(key)
+            t1.pop(key)
+            self._t2.push(key, parent)
+        else:
+            self._t2.push(key, self._t2.parent(key))
+
+    def remove(self, key: bytes, evicted: bool) -> None:
+        if self._stamp.pop(key, None) is None:
+            return
+        if self._retained:
+            self._retained.pop(key, None)
+        if key in self._t1:
+            self._t1.pop(key)
+            ghosts = self._b1
+        elif key in self._t2:
+            self._t2.pop(key)
+            ghosts = self._b2
+        else:
+            self._cold.pop(key)
+            return
+        if evicted and self._ghost_cap:
+            ghosts[key] = None
+            if len(ghosts) > self._ghost_cap:
+                ghosts.popitem(last=False)
+
+    def _t1_first(self, h1: bytes | None, h2: bytes | None) -> bool:
+        # Whether T1's head goes before T2's head (one of them may be absent).
+        if h2 is None:
+            return True
+        if h1 is None:
+            return False
+        return self._stamp[h1] <= self._stamp[h2] + self.bonus
+
+    def candidates(self) -> Iterator[bytes]:
+        if not self._retained:
+            return self._candidates()
+        now = self._now()
+        retained = self._retained
+
+        def held(key: bytes) -> bool:
+            return retained.get(key, -math.inf) > now
+
+        # Without retention first, then the retained blocks, each in the policy's order.
+        return itertools.chain(
+            (k for k in self._candidates() if not held(k)), (k for k in self._candidates() if held(k))
+        )
+
+    def _candidates(self) -> Iterator[bytes]:
+        yield from self._cold
+        i1, i2 = iter(self._t1), iter(self._t2)
+        h1, h2 = next(i1, None), next(i2, None)
+        while h1 is not None or h2 is not None:
+            if self._t1_first(h1, h2):
+                yield h1  # type: ignore[misc]
+                h1 = next(i1, None)
+            else:
+                yield h2  # type: ignore[misc]
+                h2 = next(i2, None)
+
+    def _pop_victim(self) -> bytes | None:
+        if self._retained:
+            self._expire()
+            if self._retained:
+                for key in self.candidates():
+                    self.remove(key, evicted=True)
+                    return key
+                return None
+        if self._cold:
+            key = self._cold.pop_first()
+            del self._stamp[key]
+            return key
+        t1, t2 = self._t1, self._t2
+        h1 = next(iter(t1), None) if t1 else None
+        h2 = next(iter(t2), None) if t2 else None
+        if h1 is None and h2 is None:
+            return None
+        if self._t1_first(h1, h2):
+            key = t1.pop_first()
+            ghosts = self._b1
+        else:
+            key = t2.pop_first()
+            ghosts = self._b2
+        del self._stamp[key]
+        if self._ghost_cap:
+            ghosts[key] = None
+            if len(ghosts) > self._ghost_cap:
+                ghosts.popitem(last=False)
+        return key
+
+    def __len__(self) -> int:
+        return len(self._stamp)
+
+
 _REGISTRY: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": lambda capacity: LRUPolicy(),
     "arc": ARCPolicy,
     "chain-lru": lambda capacity: ChainLRUPolicy(),
+    "session": lambda capacity: SessionPolicy(capacity),
 }
 
 

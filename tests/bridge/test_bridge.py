@@ -211,3 +211,20 @@ async def test_a_sync_engine_hands_each_engine_step_over_once_with_step_batch() 
         again.abort().result(WAIT)
 
     await _in_thread(engine, eng)
+
+
+@pytest.mark.asyncio
+async def test_open_forwards_the_per_request_caps() -> None:
+    eng = SimEngine(num_blocks=8)
+
+    def engine(bridge: ThreadBridge, eng: SimEngine) -> aiokv.Request:
+        req = bridge.open("a", list(range(20)), max_store_tokens=8, max_load_tokens=4, store_decode=False)
+        handle = req.result(WAIT)
+        inner = handle._req
+        handle.abort().result(WAIT)
+        with pytest.raises(aiokv.InvalidArgumentError, match=r"max_load_tokens must be >= 0, got -1"):
+            bridge.open("b", [1], max_load_tokens=-1).result(WAIT)
+        return inner
+
+    inner = await _in_thread(engine, eng)
+    assert (inner.max_store_tokens, inner.max_load_tokens, inner.store_decode) == (8, 4, False)

@@ -22,7 +22,7 @@ from aiokv.replay import (
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 SLICES = ["mooncake_conversation_head400.jsonl", "mooncake_synthetic_tail400.jsonl"]
-POLICIES = ["lru", "arc", "chain-lru"]
+POLICIES = ["lru", "arc", "chain-lru", "session"]
 KV = 1  # one byte per token: a block of B tokens is B bytes, so capacities below are in blocks * B
 COST = CostModel(prefill_tokens_per_s=1000.0)
 

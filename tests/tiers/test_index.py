@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from aiokv.tiers._index import BlockIndex, EntryState
 from aiokv.tiers._policies import ARCPolicy, make_policy
 
-POLICIES = ["lru", "arc", "chain-lru"]
+POLICIES = ["lru", "arc", "chain-lru", "session"]
 
 
 def k(name: str) -> bytes:
@@ -396,3 +396,11 @@ TestARCIndexMachine = ARCIndexMachine.TestCase
 TestARCIndexMachine.settings = _SETTINGS
 TestChainLRUIndexMachine = ChainLRUIndexMachine.TestCase
 TestChainLRUIndexMachine.settings = _SETTINGS
+
+
+class SessionIndexMachine(IndexMachine):
+    policy_name = "session"
+
+
+TestSessionIndexMachine = SessionIndexMachine.TestCase
+TestSessionIndexMachine.settings = _SETTINGS

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from aiokv.tiers._index import BlockIndex
-from aiokv.tiers._policies import ChainLRUPolicy, EvictionPolicy, LRUPolicy, make_policy
+from aiokv.tiers._policies import ChainLRUPolicy, EvictionPolicy, LRUPolicy, SessionPolicy, make_policy
 
 
 # ------------------------------------------------------------------------------------ reference policies
@@ -346,6 +346,8 @@ POLICIES: dict[str, Callable[[int], tuple[EvictionPolicy, EvictionPolicy]]] = {
     # chain-LRU against itself driven through candidates()/remove() only: pins its O(1) _pop_victim and the
     # index's fast paths to the protocol (test_policies pins the policy's own order to a from-scratch one).
     "chain-lru": lambda n: (make_policy("chain-lru", n), ChainLRUPolicy()),
+    # session against itself driven through candidates()/remove() only (its O(1) _pop_victim vs the protocol).
+    "session": lambda n: (make_policy("session", n), SessionPolicy(n)),
     "fifo": lambda n: (FIFO(), FIFO()),
 }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiokv._errors import InvalidArgumentError
 from aiokv.tiers._policies import (
@@ -12,6 +14,7 @@ from aiokv.tiers._policies import (
     ChainLRUPolicy,
     EvictionPolicy,
     LRUPolicy,
+    SessionPolicy,
     make_policy,
     policy_names,
     register_policy,
@@ -39,6 +42,9 @@ def test_registry_names_and_factories() -> None:
     assert isinstance(arc, ARCPolicy)
     assert arc.capacity == 4
     assert isinstance(make_policy("chain-lru", 4), ChainLRUPolicy)
+    session = make_policy("session", 4)
+    assert isinstance(session, SessionPolicy)
+    assert session.capacity == 4
 
 
 def test_make_policy_rejects_unknown_name() -> None:
@@ -283,7 +289,7 @@ def test_chain_lru_matches_a_reference_on_random_chains() -> None:
     assert set(p.candidates()) == set(parent)
 
 
-@pytest.mark.parametrize("name", ["lru", "arc", "chain-lru"])
+@pytest.mark.parametrize("name", ["lru", "arc", "chain-lru", "session"])
 def test_candidates_tolerate_early_stop_and_do_not_mutate(name: str) -> None:
     p = make_policy(name, 8)
     prev: bytes | None = None
@@ -298,3 +304,199 @@ def test_candidates_tolerate_early_stop_and_do_not_mutate(name: str) -> None:
     del it
     assert list(p.candidates()) == full
     assert sorted(full) == [bytes([i]) for i in range(6)]
+
+
+# ------------------------------------------------------------------------------------------------ session
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"capacity": 0}, r"capacity must be a positive int, got 0"),
+        ({"capacity": True}, r"capacity must be a positive int, got True"),
+        ({"capacity": 4, "ghost": -1}, r"ghost must be an int >= 0, got -1"),
+        ({"capacity": 4, "step": -1.0}, r"step must be a finite number >= 0, got -1.0"),
+        ({"capacity": 4, "step": float("nan")}, r"step must be a finite number >= 0, got nan"),
+        ({"capacity": 4, "step": float("inf")}, r"step must be a finite number >= 0, got inf"),
+    ],
+)
+def test_session_rejects_bad_arguments(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        SessionPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_session_bonus_zero_is_lru_and_a_large_bonus_protects_reused_blocks() -> None:
+    """b is stored after a and never hit; a is hit after b was stored. LRU evicts b, then a, then c (stored
+    last); with a bonus of 8 ticks the reused a outlives the newer c."""
+    for bonus, want in ((0.0, [b, a, c]), (8.0, [b, c, a])):
+        p = SessionPolicy(8)
+        p.bonus = bonus
+        p.insert(a)  # tick 1
+        p.insert(b)  # tick 2
+        p.touch(a)  # tick 3: a moves to T2
+        p.insert(c)  # tick 4
+        assert p.t1() == [b, c]
+        assert p.t2() == [a]
+        assert order(p) == want
+        assert [evict(p) for _ in range(3)] == want
+
+
+def test_session_starts_with_a_bonus_of_one_capacity() -> None:
+    assert SessionPolicy(8).bonus == 8.0
+
+
+def test_session_chain_runs_evict_the_tail_first() -> None:
+    p = SessionPolicy(8)
+    p.insert(a)
+    p.insert(b, a, 1)
+    p.insert(c, b, 2)
+    p.insert(x)
+    assert order(p) == [c, b, a, x]
+
+
+def test_session_cold_hint_evicts_the_hinted_block_first_until_it_is_hit() -> None:
+    p = SessionPolicy(8)
+    p.insert(a)
+    p.hint_cold(b)
+    p.insert(b, a, 1)  # the hinted key: cold
+    p.insert(c)  # not hinted: the hint was used
+    assert p.cold() == [b]
+    assert order(p) == [b, a, c]
+    p.touch(b)  # a hit: a reused block now
+    assert p.cold() == []
+    assert p.t2() == [b]
+    assert order(p)[-1] == b
+
+
+def test_session_cold_hint_for_another_key_is_ignored() -> None:
+    p = SessionPolicy(8)
+    p.hint_cold(x)
+    p.insert(a)
+    assert p.cold() == []
+    assert order(p) == [a]
+
+
+def test_session_ghost_hits_adapt_the_bonus_like_arc() -> None:
+    """Capacity 4, step 1: a B1 ghost hit lowers the bonus by max(|B2|/|B1|, 1), a B2 ghost hit raises it by
+    max(|B1|/|B2|, 1), and either enters T2."""
+    p = SessionPolicy(4, step=1.0)
+    assert p.bonus == 4.0
+    p.insert(a)
+    p.insert(b)
+    p.insert(c)
+    p.touch(c)  # c in T2
+    assert evict(p) == a  # T1 head, stamp 1 <= 4 + 4
+    assert evict(p) == b
+    p.bonus = 0.0
+    assert evict(p) == c  # T2 head, now alone
+    # ghosts: B1 = [a, b], B2 = [c]
+    p.insert(a)  # B1 ghost: bonus - max(1/2, 1), floored at 0
+    assert p.bonus == 0.0
+    assert p.t2() == [a]
+    p.insert(c)  # B2 ghost: bonus + max(|B1|/|B2|, 1) = 0 + max(1/1, 1)
+    assert p.bonus == 1.0
+    assert p.t2() == [a, c]
+
+
+def test_session_ghost_lists_are_bounded() -> None:
+    p = SessionPolicy(2, ghost=2)
+    for i in range(20):
+        p.insert(bytes([i]))
+        if len(p) > 2:
+            evict(p)
+    assert len(p._b1) <= 4
+    assert len(p._b2) <= 4
+    q = SessionPolicy(2, ghost=0)
+    for i in range(5):
+        q.insert(bytes([i]))
+        evict(q)
+    assert len(q._b1) == 0
+
+
+def test_session_dropped_keys_leave_no_ghost() -> None:
+    p = SessionPolicy(4)
+    p.insert(a)
+    p.remove(a, evicted=False)
+    assert len(p) == 0
+    assert len(p._b1) == 0
+    p.insert(a)
+    assert p.t1() == [a]  # not a ghost hit
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["insert", "touch", "drop", "evict", "hint"]), st.integers(0, 11)),
+        max_size=80,
+    ),
+    capacity=st.integers(1, 6),
+)
+def test_session_pop_victim_is_the_first_candidate_and_candidates_are_the_resident_keys(
+    ops: list[tuple[str, int]], capacity: int
+) -> None:
+    """The contract the index relies on, under random inserts, hits, drops, evictions and cold hints:
+    candidates() yields each resident key once, reading it changes nothing, and _pop_victim() takes the
+    first candidate."""
+    p = SessionPolicy(capacity, step=0.5)
+    resident: set[bytes] = set()
+    for op, n in ops:
+        key = bytes([n])
+        parent = bytes([n - 1]) if n % 3 else None
+        if op == "insert" and key not in resident:
+            p.insert(key, parent, n % 3)
+            resident.add(key)
+        elif op == "touch":
+            p.touch(key)
+        elif op == "drop" and key in resident:
+            p.remove(key, evicted=False)
+            resident.discard(key)
+        elif op == "evict":
+            first = next(p.candidates(), None)
+            assert p._pop_victim() == first
+            resident.discard(first)  # type: ignore[arg-type]
+        elif op == "hint":
+            p.hint_cold(key)
+        listed = list(p.candidates())
+        assert len(listed) == len(set(listed)) == len(p)
+        assert set(listed) == resident
+        assert list(p.candidates()) == listed
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_session_retained_blocks_go_after_the_others_until_the_deadline() -> None:
+    clock = _Clock()
+    p = SessionPolicy(8, clock=clock)
+    for key in (a, b, c):
+        p.insert(key)
+    p.retain([a, b, x], 10.0)  # x is not resident: ignored
+    assert p.retained() == [a, b]
+    assert order(p) == [c, a, b]
+    clock.now = 109.9
+    assert evict(p) == c
+    assert p._pop_victim() == a  # everything is retained: still evictable, in the usual order
+    clock.now = 110.0  # b's retention is over
+    p.insert(d)
+    assert order(p) == [b, d]
+    assert p._pop_victim() == b
+    assert p.retained() == []
+
+
+def test_session_retention_keeps_the_longer_deadline_and_dropped_keys_lose_it() -> None:
+    clock = _Clock()
+    p = SessionPolicy(8, clock=clock)
+    p.insert(a)
+    p.insert(b)
+    p.retain([a], 10.0)
+    p.retain([a], 1.0)
+    clock.now = 105.0
+    assert order(p) == [b, a]
+    p.remove(a, evicted=False)
+    assert p.retained() == []
+    p.insert(a)
+    assert order(p) == [b, a]  # a fresh insert, not retained
+    assert p.retained() == []
