@@ -230,3 +230,26 @@ async def test_streams_of_an_offloader_closed_before_it_started_end() -> None:
     assert len(items) == 1  # the (empty) snapshot, then the end
     assert isinstance(items[0], aiokv.events.KVSnapshot)
     assert items[0].tiers == {"cpu": {}}
+
+
+async def test_evictions_forced_by_a_tenant_quota_are_reported() -> None:
+    """A tenant at its CPU quota evicts its own blocks (not the LRU victim): the stream reports exactly those."""
+    eng = SimEngine(num_blocks=64, block_size=BS)
+    slot = eng.layout.slot_bytes
+    cpu = CPUTier(capacity_bytes=16 * slot, tenant_quota_bytes={"small": 4 * slot})  # room for all of "big"
+    prompts = [("small" if i % 3 else "big", [100 * i + t for t in range(13)]) for i in range(7)]
+    async with Offloader(eng.layout, tiers=[cpu], kv_events=True) as off:
+        consumer = Consumer(off.events())
+        task = asyncio.create_task(consumer.run())
+        for n, (salt, tokens) in enumerate(prompts):
+            await serve(eng, off, f"r{n}", tokens, salt)
+            await settle(off, consumer)
+            assert consumer.blocks() == tier_contents(off)
+            assert cpu.tenant_bytes("small") <= 4 * slot
+        truth = meta(off, prompts)
+        for key, info in consumer.state["cpu"].items():
+            assert (info.parent_hash, info.tenant) == truth[key]
+        removed = {h for e in consumer.events if e.kind is EventKind.REMOVED for h in e.block_hashes}
+        assert removed
+        assert all(truth[h][1] == "small" for h in removed)  # the big tenant was never evicted
+    await asyncio.wait_for(task, HANG_GUARD_S)
