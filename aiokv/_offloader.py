@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
@@ -26,6 +28,7 @@ from ._errors import (
 from ._hashing import _canon, check_token_ids
 from ._layout import KVLayout
 from ._log import Throttled, get_logger
+from ._planner import LoadPlanner
 from ._request import Request, StepUpdate, step_batch
 from ._stats import Counters, OffloaderStats
 from .tiers._base import BackingTier, TierSpec
@@ -68,6 +71,13 @@ class Offloader:
         staging_bytes: device memory for staging copies, both directions together, allocated once at start.
             Larger transfers are cut into chunks; never more is allocated.
         copy_threads: CPU backend: threads one large copy is split over (default: the usable cores, at most 4).
+        load_policy: ``"decide"`` (default): :meth:`Request.lookup` returns only the prefix whose restore is
+            expected to finish before recomputing it would, from each tier's measured load cost and the
+            engine's prefill rate (the fast tier's blocks, stopping where a slower tier loses; docs/tuning.md).
+            Until both are measured it restores every hit, exactly as ``"always"`` does.
+        prefill_tokens_per_s: the engine's prefill speed, for ``"decide"``. ``None``: measured from
+            :meth:`record_prefill` reports (the reference engine makes them); while unknown, every hit is
+            restored.
 
     Threads: an offloader and its requests belong to the thread running the event loop it was started on;
     every method of theirs raises :class:`~aiokv.WrongThreadError` when called from another thread (hand calls
@@ -88,6 +98,8 @@ class Offloader:
         device: DeviceBinding | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_threads: int | None = None,
+        load_policy: str = "decide",
+        prefill_tokens_per_s: float | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidTypeError(f"layout must be an aiokv.KVLayout, got {type(layout).__name__}")
@@ -112,6 +124,12 @@ class Offloader:
             )
         if close_timeout < 0:
             raise InvalidArgumentError(f"close_timeout must be >= 0, got {close_timeout!r}")
+        if prefill_tokens_per_s is not None and (
+            isinstance(prefill_tokens_per_s, bool) or not isinstance(prefill_tokens_per_s, (int, float))
+        ):
+            raise InvalidTypeError(
+                f"prefill_tokens_per_s must be a number or None, got {type(prefill_tokens_per_s).__name__}"
+            )
         device = self._resolve_device(layout, device)
         self.layout = layout
         self.block_size = layout.block_size
@@ -144,6 +162,16 @@ class Offloader:
         self._store_done_cb = self._store_done
         self._tick_store: TransferFuture | None = None  # the store future later stores of this tick may join
         self._load_done_cb = self._load_done
+        self._planner = LoadPlanner(
+            layout.slot_bytes,
+            layout.block_size,
+            mode=load_policy,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            load_tier="cpu",
+        )
+        self._tier_names = _planner_names(self.lower)
+        # Transfer costs are timed with this clock (tests replace it with a fake one).
+        self._clock: Callable[[], float] = time.perf_counter
 
     # ------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> Offloader:
@@ -481,17 +509,24 @@ class Offloader:
         self, keys: list[bytes], slots: list[int], block_ids: list[int], mark: Any = None
     ) -> TransferFuture:
         tf = self.executor._submit("load", block_ids, slots, mark)
-        tf.context = keys
+        tf.context = (keys, self._clock())
         tf.add_done_callback(self._load_done_cb)
         return tf
 
     def _load_done(self, tf: TransferFuture) -> None:
-        keys: list[bytes] = tf.context
+        keys: list[bytes]
+        keys, submitted = tf.context
         self._index.unpin(keys)
         c = self._counters
         if tf.exception() is None:
             c.blocks_loaded += len(keys)
             c.bytes_loaded += len(keys) * self.layout.slot_bytes
+            if self._device is None:
+                # The copy's cost as a request waits for it. Not on a device: a load there also waits for the
+                # compute stream's point (the forward in flight), which is not the copy's cost.
+                self._planner.record_transfer(
+                    "cpu", len(keys) * self.layout.slot_bytes, self._clock() - submitted
+                )
         else:
             c.load_errors += len(keys)
             self._log_copy.event(
@@ -522,16 +557,25 @@ class Offloader:
     async def _lookup_and_pin(self, keys: list[bytes]) -> tuple[list[bytes], list[int]]:
         """Pin the longest prefix of ``keys`` available across all tiers; return its keys and CPU slots.
 
-        Blocks in the CPU tier are pinned where they are. Each run of blocks missing from it is staged from the
+        The load planner (``load_policy``) decides run by run: the CPU tier's leading run, then each lower
+        tier's run, each restored only when that is expected to be faster than recomputing its tokens; a tier
+        that loses is not used (its blocks are misses, counted in ``planner_skipped_blocks``) and one that
+        cannot win is not even asked (``planner_skipped_lookups``). Blocks in the CPU tier are pinned where they are. Each run of blocks missing from it is staged from the
         lower tiers (fastest first) into fresh CPU slots, and the walk continues through the CPU blocks after
         the run (pinned before staging, so eviction cannot take them meanwhile). The prefix ends at a block no
         tier holds, one a tier fails to read or finds corrupt, or one still pending in the CPU tier. Cancelled,
         it releases every pin it took.
         """
         index = self._index
+        n_keys = len(keys)
         slots = index.pin_prefix(keys)
         pinned = keys[: len(slots)]
         ahead: list[bytes] = []
+        if pinned and not self._planner.worth("cpu", len(pinned)):
+            # Even the CPU tier's blocks restore slower than they recompute: so would every block after them.
+            index.unpin(pinned)
+            pinned, slots = [], []
+            keys = []
         try:
             pos = len(pinned)
             while pos < len(keys) and self.lower:
@@ -559,7 +603,7 @@ class Offloader:
         c = self._counters
         c.lookups += 1
         c.hits += len(pinned)
-        c.misses += len(keys) - len(pinned)
+        c.misses += n_keys - len(pinned)
         c.hit_tokens += len(pinned) * self.block_size
         return pinned, slots
 
@@ -570,10 +614,14 @@ class Offloader:
         got_slots: list[int] = []
         pos = start
         try:
+            planner = self._planner
             for ti, tier in enumerate(self.lower):
                 if pos == end:
                     break
-                k, s = await self._stage(tier, keys, pos, end)
+                name = self._tier_names[ti]
+                if not planner.worth_asking(name, end - pos):
+                    continue  # no run this tier could hold would restore faster than it recomputes
+                k, s = await self._stage(tier, name, keys, pos, end)
                 if not k:
                     continue
                 got_keys.extend(k)
@@ -590,12 +638,15 @@ class Offloader:
         return got_keys, got_slots
 
     async def _stage(
-        self, tier: BackingTier, keys: list[bytes], start: int, end: int
+        self, tier: BackingTier, name: str, keys: list[bytes], start: int, end: int
     ) -> tuple[list[bytes], list[int]]:
         """Copy the run of ``keys[start:end]`` held by ``tier`` into fresh CPU slots; pin and return the
-        verified prefix. A tier that fails (or raises) yields a miss from the failing block on."""
+        verified prefix. A tier that fails (or raises) yields a miss from the failing block on; a run the
+        planner finds slower to restore than to recompute is left alone (nothing staged). The time from the
+        lookup to the end of the read is the tier's measured cost for the blocks that arrived."""
         c = self._counters
         rest = keys[start:end]
+        started = self._clock()
         try:
             n = await tier.lookup(rest)
         except Exception as exc:
@@ -603,7 +654,7 @@ class Offloader:
             self._log_tier.event("lookup in tier %r failed, a miss: %r", tier.name, exc)
             return [], []
         n = min(n, len(rest))
-        if n <= 0:
+        if n <= 0 or not self._planner.worth(name, n):
             return [], []
         index = self._index
         want: list[bytes] = []
@@ -619,6 +670,8 @@ class Offloader:
             return [], []
         got = await self._read_into(tier, want, slots)
         got = max(0, min(got, len(want)))
+        if got:
+            self._planner.record_transfer(name, got * self.layout.slot_bytes, self._clock() - started)
         for key in want[got:]:
             index.discard(key)
         for key in want[:got]:
@@ -655,6 +708,28 @@ class Offloader:
         for key in keys:
             self._index.discard(key)
 
+    # ------------------------------------------------------------ load planner
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """Report that the engine computed ``tokens`` prefill tokens in ``seconds`` (one forward, or one
+        request's prefill). ``load_policy="decide"`` compares restoring a prefix with recomputing it at the
+        rate these reports measure (an exponentially weighted mean), unless ``prefill_tokens_per_s`` was
+        given. Reports of 0 tokens or 0 seconds are ignored. Cheap: call it after every prefill forward."""
+        self._check_thread("record_prefill")
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise InvalidTypeError(f"tokens must be an int, got {type(tokens).__name__}")
+        if tokens < 0:
+            raise InvalidArgumentError(f"tokens must be >= 0, got {tokens}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise InvalidTypeError(f"seconds must be a number, got {type(seconds).__name__}")
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise InvalidArgumentError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        self._planner.record_prefill(tokens, seconds)
+
+    @property
+    def load_policy(self) -> str:
+        """``"decide"`` or ``"always"`` (see the constructor)."""
+        return self._planner.mode
+
     # ------------------------------------------------------------------ stats
     def stats(self) -> OffloaderStats:
         c = self._counters
@@ -667,6 +742,7 @@ class Offloader:
                 tiers.append(repr(exc))
         cpu = tiers[0]
         wt_errors = sum(w.errors for w in self._writers)
+        planner = self._planner.stats()
         return OffloaderStats(
             hits=c.hits,
             misses=c.misses,
@@ -695,6 +771,11 @@ class Offloader:
             tiers=tuple(tiers),
             eviction=cpu.eviction,
             stores_invalidated=c.stores_invalidated,
+            load_policy=planner.mode,
+            prefill_tokens_per_s=planner.prefill_tokens_per_s,
+            planner_skipped_blocks=planner.skipped_blocks,
+            planner_skipped_lookups=planner.skipped_lookups,
+            planner=planner,
         )
 
     def __repr__(self) -> str:
@@ -788,3 +869,12 @@ class _WriteThrough:
             self.dropped += len(self._queue)
             self._queue.clear()
         self._idle.set()
+
+
+def _planner_names(lower: Sequence[BackingTier]) -> tuple[str, ...]:
+    """The lower tiers' names in the load planner: their own, numbered where two share one; "cpu" is the
+    CPU tier's (the copy into the engine)."""
+    names = [t.name for t in lower]
+    return tuple(
+        f"{name}#{i + 1}" if names.count(name) > 1 or name == "cpu" else name for i, name in enumerate(names)
+    )

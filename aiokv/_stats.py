@@ -82,6 +82,13 @@ class OffloaderStats:
     tiers: tuple[Any, ...] = field(default=())
     eviction: str = ""  # the CPU tier's active eviction policy
     stores_invalidated: int = 0  # store skipped: the block's KV was computed over a load whose copy failed
+    load_policy: str = "always"  # the offloader's load_policy: "decide" or "always"
+    prefill_tokens_per_s: float | None = (
+        None  # the prefill rate the planner compares with (None: unknown yet)
+    )
+    planner_skipped_blocks: int = 0  # hits left to recompute: restoring their run was predicted to be slower
+    planner_skipped_lookups: int = 0  # lower-tier lookups not made: no run that tier could hold would win
+    planner: Any = None  # the load planner's PlannerStats: per-tier fitted latency_s, bytes_per_s, samples
 
     @property
     def hit_rate(self) -> float:
