@@ -53,7 +53,15 @@ class Counters:
 
 @dataclass(frozen=True, slots=True)
 class OffloaderStats:
-    """A consistent snapshot of an offloader's counters. Block counts are in blocks, sizes in bytes."""
+    """A consistent snapshot of an offloader's counters. Block counts are in blocks, sizes in bytes.
+
+    The load planner's fields (docs/tuning.md): ``load_policy``; ``prefill_tokens_per_s``, the rate a
+    recompute is compared with (given, or measured from :meth:`Offloader.record_prefill`; ``None`` while
+    unknown); ``planner_skipped_blocks``, hits left to recompute because restoring their run was predicted
+    slower (they also count as misses); ``planner_skipped_lookups``, lower-tier lookups not made because no
+    run that tier could hold would win; ``planner``, a ``PlannerStats`` with each tier's fitted
+    ``(name, latency_s, bytes_per_s, samples)`` (``"cpu"`` is the copy into the engine), the decisions made
+    and the losing runs restored anyway to measure their tier again (``explored``)."""
 
     hits: int  # blocks found by lookups (all tiers)
     misses: int  # blocks looked up and not found
