@@ -179,6 +179,13 @@ def _offloader_metrics(f: _Families, s: Any, off: Offloader) -> None:
               s.write_through_dropped)  # fmt: skip
     f.gauge("kv_offload_write_through_in_flight_bytes", "Bytes queued or in flight towards lower tiers.",
             s.write_through_in_flight_bytes)  # fmt: skip
+    skipped = "Hit blocks recomputed rather than loaded: restoring their run was predicted slower."
+    f.counter("kv_offload_planner_skipped_blocks", skipped, s.planner_skipped_blocks)
+    f.counter("kv_offload_planner_skipped_lookups", "Lower-tier lookups not made: no run it could hold would win.",
+              s.planner_skipped_lookups)  # fmt: skip
+    if s.prefill_tokens_per_s is not None:
+        f.gauge("kv_offload_prefill_tokens_per_s", "Prefill speed the load planner compares loads with.",
+                s.prefill_tokens_per_s)  # fmt: skip
     f.gauge("kv_offload_requests_open", "Requests open on the offloader.", s.requests_open)
     f.counter("kv_offload_requests", "Requests opened on the offloader.", s.requests_opened)
     tiers = [("cpu", off.cpu), *((t.name, t) for t in off.lower)]
