@@ -165,6 +165,11 @@ class ThreadBridge:
             batch.append((handle._req, n, list(toks), list(ids)))
         return call_in_loop(self._loop, lambda: self._off.step_batch(batch))
 
+    def record_prefill(self, tokens: int, seconds: float) -> concurrent.futures.Future[None]:
+        """:meth:`Offloader.record_prefill` on the loop (the load planner's prefill measurement). Like
+        ``step_batch``, it need not be waited for; the future holds the error of an invalid report."""
+        return call_in_loop(self._loop, lambda: self._off.record_prefill(tokens, seconds))
+
     def stats(self) -> concurrent.futures.Future[OffloaderStats]:
         """:meth:`Offloader.stats`, read on the loop (a consistent snapshot)."""
         return call_in_loop(self._loop, self._off.stats)

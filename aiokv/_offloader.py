@@ -28,6 +28,7 @@ from ._errors import (
 from ._hashing import _canon, check_token_ids
 from ._layout import KVLayout
 from ._log import Throttled, get_logger
+from ._planner import LoadPlanner
 from ._request import Request, StepUpdate, step_batch
 from ._stats import Counters, OffloaderStats, WriteThroughStats
 from .tiers._base import BackingTier, TierSpec
@@ -94,6 +95,13 @@ class Offloader:
             takes longer is abandoned and the run is a miss (counted in
             ``stats().lower_tier_deadline_misses``); the CPU slots it was reading into are released only once
             the tier's read has really ended. ``None``: no deadline (the tiers' own timeouts still apply).
+        load_policy: ``"decide"`` (default): :meth:`Request.lookup` returns only the prefix whose restore is
+            expected to finish before recomputing it would, from each tier's measured load cost and the
+            engine's prefill rate (the fast tier's blocks, stopping where a slower tier loses; docs/tuning.md).
+            Until both are measured it restores every hit, exactly as ``"always"`` does.
+        prefill_tokens_per_s: the engine's prefill speed, for ``"decide"``. ``None``: measured from
+            :meth:`record_prefill` reports (the reference engine makes them); while unknown, every hit is
+            restored.
 
     Threads: an offloader and its requests belong to the thread running the event loop it was started on;
     every method of theirs raises :class:`~aiokv.WrongThreadError` when called from another thread (hand calls
@@ -119,6 +127,8 @@ class Offloader:
         kv_events_replay_endpoint: str | None = None,
         write_through_max_delay_s: float | None = 5.0,
         lower_tier_deadline_s: float | None = 10.0,
+        load_policy: str = "decide",
+        prefill_tokens_per_s: float | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidTypeError(f"layout must be an aiokv.KVLayout, got {type(layout).__name__}")
@@ -147,6 +157,12 @@ class Offloader:
         self._check_kv_events(kv_events)
         _check_seconds("write_through_max_delay_s", write_through_max_delay_s)
         _check_seconds("lower_tier_deadline_s", lower_tier_deadline_s)
+        if prefill_tokens_per_s is not None and (
+            isinstance(prefill_tokens_per_s, bool) or not isinstance(prefill_tokens_per_s, (int, float))
+        ):
+            raise InvalidTypeError(
+                f"prefill_tokens_per_s must be a number or None, got {type(prefill_tokens_per_s).__name__}"
+            )
         device = self._resolve_device(layout, device)
         self.layout = layout
         self.block_size = layout.block_size
@@ -189,6 +205,16 @@ class Offloader:
         self._ev_sinks: list[TierEvents] = []
         self._ev_endpoints = endpoints
         self.kv_events_publisher: ZmqEventPublisher | None = None
+        self._planner = LoadPlanner(
+            layout.slot_bytes,
+            layout.block_size,
+            mode=load_policy,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            load_tier="cpu",
+        )
+        self._tier_names = _planner_names(self.lower)
+        # Transfer costs for the planner are timed with this clock (tests replace it with a fake one).
+        self._cost_clock: Callable[[], float] = time.perf_counter
         if kv_events is not False or kv_events_endpoint is not None:
             self._enable_events(kv_events)
 
@@ -752,17 +778,24 @@ class Offloader:
         self, keys: list[bytes], slots: list[int], block_ids: list[int], mark: Any = None
     ) -> TransferFuture:
         tf = self.executor._submit("load", block_ids, slots, mark)
-        tf.context = keys
+        tf.context = (keys, self._cost_clock())
         tf.add_done_callback(self._load_done_cb)
         return tf
 
     def _load_done(self, tf: TransferFuture) -> None:
-        keys: list[bytes] = tf.context
+        keys: list[bytes]
+        keys, submitted = tf.context
         self._index.unpin(keys)
         c = self._counters
         if tf.exception() is None:
             c.blocks_loaded += len(keys)
             c.bytes_loaded += len(keys) * self.layout.slot_bytes
+            if self._device is None:
+                # The copy's cost as a request waits for it. Not on a device: a load there also waits for the
+                # compute stream's point (the forward in flight), which is not the copy's cost.
+                self._planner.record_transfer(
+                    "cpu", len(keys) * self.layout.slot_bytes, self._cost_clock() - submitted
+                )
         else:
             c.load_errors += len(keys)
             self._log_copy.event(
@@ -795,16 +828,25 @@ class Offloader:
     ) -> tuple[list[bytes], list[int]]:
         """Pin the longest prefix of ``keys`` available across all tiers; return its keys and CPU slots.
 
-        Blocks in the CPU tier are pinned where they are. Each run of blocks missing from it is staged from the
+        The load planner (``load_policy``) decides run by run: the CPU tier's leading run, then each lower
+        tier's run, each restored only when that is expected to be faster than recomputing its tokens; a tier
+        that loses is not used (its blocks are misses, counted in ``planner_skipped_blocks``) and one that
+        cannot win is not even asked (``planner_skipped_lookups``). Blocks in the CPU tier are pinned where they are. Each run of blocks missing from it is staged from the
         lower tiers (fastest first) into fresh CPU slots, and the walk continues through the CPU blocks after
         the run (pinned before staging, so eviction cannot take them meanwhile). The prefix ends at a block no
         tier holds, one a tier fails to read or finds corrupt, or one still pending in the CPU tier. Cancelled,
         it releases every pin it took.
         """
         index = self._index
+        n_keys = len(keys)
         slots = index.pin_prefix(keys)
         pinned = keys[: len(slots)]
         ahead: list[bytes] = []
+        if pinned and not self._planner.worth("cpu", len(pinned)):
+            # Even the CPU tier's blocks restore slower than they recompute: so would every block after them.
+            index.unpin(pinned)
+            pinned, slots = [], []
+            keys = []
         try:
             pos = len(pinned)
             while pos < len(keys) and self.lower:
@@ -832,7 +874,7 @@ class Offloader:
         c = self._counters
         c.lookups += 1
         c.hits += len(pinned)
-        c.misses += len(keys) - len(pinned)
+        c.misses += n_keys - len(pinned)
         c.hit_tokens += len(pinned) * self.block_size
         return pinned, slots
 
@@ -845,10 +887,14 @@ class Offloader:
         got_slots: list[int] = []
         pos = start
         try:
+            planner = self._planner
             for ti, tier in enumerate(self.lower):
                 if pos == end:
                     break
-                k, s = await self._stage(tier, keys, pos, end, source, tenant)
+                name = self._tier_names[ti]
+                if not planner.worth_asking(name, end - pos):
+                    continue  # no run this tier could hold would restore faster than it recomputes
+                k, s = await self._stage(tier, name, keys, pos, end, source, tenant)
                 if not k:
                     continue
                 got_keys.extend(k)
@@ -867,6 +913,7 @@ class Offloader:
     async def _stage(
         self,
         tier: BackingTier,
+        name: str,
         keys: list[bytes],
         start: int,
         end: int,
@@ -875,9 +922,13 @@ class Offloader:
     ) -> tuple[list[bytes], list[int]]:
         """Copy the run of ``keys[start:end]`` held by ``tier`` into fresh CPU slots; pin and return the
         verified prefix. A tier that fails (or raises) yields a miss from the failing block on; so does one
-        that has not answered the lookup and the read within ``lower_tier_deadline_s``."""
+        that has not answered the lookup and the read within ``lower_tier_deadline_s``; a run the planner
+        finds slower to restore than to recompute is left alone (nothing staged). The time from the lookup
+        to the end of the read is the tier's measured cost for the blocks that arrived (or, for a read
+        abandoned at the deadline, for the blocks it was asked for)."""
         c = self._counters
         rest = keys[start:end]
+        started = self._cost_clock()
         deadline = None if self._lower_tier_deadline is None else self.loop.time() + self._lower_tier_deadline
         try:
             n = await self._tier_lookup(tier, rest, deadline)
@@ -889,7 +940,7 @@ class Offloader:
             c.staging_misses += 1
             return [], []
         n = min(n, len(rest))
-        if n <= 0:
+        if n <= 0 or not self._planner.worth(name, n):
             return [], []
         index = self._index
         meta = self._ev_meta
@@ -913,8 +964,15 @@ class Offloader:
         got = await self._read_into(tier, want, slots, deadline)
         if got is None:  # abandoned at the deadline: the read keeps its reservations until it ends
             c.staging_misses += len(want)
+            # At least this slow: the planner learns it, so a tier that keeps missing the deadline is
+            # recomputed rather than waited for (and re-measured now and then).
+            self._planner.record_transfer(
+                name, len(want) * self.layout.slot_bytes, self._cost_clock() - started
+            )
             return [], []
         got = max(0, min(got, len(want)))
+        if got:
+            self._planner.record_transfer(name, got * self.layout.slot_bytes, self._cost_clock() - started)
         for key in want[got:]:
             index.discard(key)
         for key in want[:got]:
@@ -996,6 +1054,28 @@ class Offloader:
             self._index.discard(key)
         self._ev_forget(keys)
 
+    # ------------------------------------------------------------ load planner
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """Report that the engine computed ``tokens`` prefill tokens in ``seconds`` (one forward, or one
+        request's prefill). ``load_policy="decide"`` compares restoring a prefix with recomputing it at the
+        rate these reports measure (an exponentially weighted mean), unless ``prefill_tokens_per_s`` was
+        given. Reports of 0 tokens or 0 seconds are ignored. Cheap: call it after every prefill forward."""
+        self._check_thread("record_prefill")
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise InvalidTypeError(f"tokens must be an int, got {type(tokens).__name__}")
+        if tokens < 0:
+            raise InvalidArgumentError(f"tokens must be >= 0, got {tokens}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise InvalidTypeError(f"seconds must be a number, got {type(seconds).__name__}")
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise InvalidArgumentError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        self._planner.record_prefill(tokens, seconds)
+
+    @property
+    def load_policy(self) -> str:
+        """``"decide"`` or ``"always"`` (see the constructor)."""
+        return self._planner.mode
+
     # ------------------------------------------------------------------ stats
     def stats(self) -> OffloaderStats:
         c = self._counters
@@ -1008,6 +1088,7 @@ class Offloader:
                 tiers.append(repr(exc))
         cpu = tiers[0]
         wt_errors = sum(w.errors for w in self._writers)
+        planner = self._planner.stats()
         return OffloaderStats(
             hits=c.hits,
             misses=c.misses,
@@ -1039,6 +1120,11 @@ class Offloader:
             write_through_dropped_slow=sum(w.dropped_slow for w in self._writers),
             lower_tier_deadline_misses=c.lower_tier_deadline_misses,
             write_through=tuple(w.stats() for w in self._writers),
+            load_policy=planner.mode,
+            prefill_tokens_per_s=planner.prefill_tokens_per_s,
+            planner_skipped_blocks=planner.skipped_blocks,
+            planner_skipped_lookups=planner.skipped_lookups,
+            planner=planner,
         )
 
     def __repr__(self) -> str:
@@ -1308,3 +1394,12 @@ def _check_token_cap(value: object, name: str) -> None:
         raise InvalidTypeError(f"{name} must be an int or None, got {type(value).__name__}")
     if value < 0:
         raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
+
+
+def _planner_names(lower: Sequence[BackingTier]) -> tuple[str, ...]:
+    """The lower tiers' names in the load planner: their own, numbered where two share one; "cpu" is the
+    CPU tier's (the copy into the engine)."""
+    names = [t.name for t in lower]
+    return tuple(
+        f"{name}#{i + 1}" if names.count(name) > 1 or name == "cpu" else name for i, name in enumerate(names)
+    )

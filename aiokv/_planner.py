@@ -38,16 +38,31 @@ class CostFit:
     origin (no latency), which predicts that size exactly and other sizes proportionally.
     """
 
-    __slots__ = ("_decay", "_w", "_x", "_xx", "_xy", "_y", "samples")
+    __slots__ = ("_decay", "_fixed", "_w", "_x", "_xx", "_xy", "_y", "samples")
 
     def __init__(self, half_life: float = 32.0) -> None:
         if not half_life > 0:
             raise InvalidArgumentError(f"half_life must be > 0, got {half_life!r}")
         self._decay = 0.5 ** (1.0 / half_life)
         self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._fixed: tuple[float, float] | None = None
         self.samples = 0
 
+    @classmethod
+    def fixed(cls, latency_s: float, bytes_per_s: float, *, samples: int = 1) -> CostFit:
+        """A fit that ignores samples and predicts ``latency_s + nbytes / bytes_per_s`` (a model's figures)."""
+        if not (latency_s >= 0 and math.isfinite(latency_s)):
+            raise InvalidArgumentError(f"latency_s must be a finite number >= 0, got {latency_s!r}")
+        if not bytes_per_s > 0:
+            raise InvalidArgumentError(f"bytes_per_s must be > 0, got {bytes_per_s!r}")
+        fit = cls()
+        fit._fixed = (float(latency_s), 0.0 if math.isinf(bytes_per_s) else 1.0 / bytes_per_s)
+        fit.samples = samples
+        return fit
+
     def record(self, nbytes: float, seconds: float) -> None:
+        if self._fixed is not None:
+            return
         if not (nbytes > 0 and seconds >= 0 and math.isfinite(nbytes) and math.isfinite(seconds)):
             return  # nothing to learn from an empty or broken measurement
         d = self._decay
@@ -60,6 +75,8 @@ class CostFit:
 
     def coefficients(self) -> tuple[float, float]:
         """``(latency_s, seconds_per_byte)``, both >= 0. (0, 0) before any sample."""
+        if self._fixed is not None:
+            return self._fixed
         if self._w == 0.0:
             return 0.0, 0.0
         w, x, y, xx, xy = self._w, self._x, self._y, self._xx, self._xy
@@ -133,10 +150,11 @@ class TierRun:
 class PlannerStats:
     mode: str
     prefill_tokens_per_s: float | None
-    decisions: int
+    decisions: int  # runs decided (restore or recompute), one per tier run of a lookup
     skipped_blocks: int  # hits left to recompute because restoring them would have been slower
     explored: int  # decisions that restored a losing tier anyway, to measure it again
     tiers: tuple[tuple[str, float, float, int], ...]  # (tier, latency_s, bytes_per_s, samples)
+    skipped_lookups: int = 0  # lower-tier lookups not made: no run that tier could hold would be worth it
 
 
 class LoadPlanner:
@@ -144,7 +162,8 @@ class LoadPlanner:
 
     ``block_bytes`` is the size of one block on the wire (a CPU slot); ``block_tokens`` the tokens it holds.
     ``load_tier`` names the final copy into the engine (CPU tier -> engine blocks), paid by every restored
-    block; each other tier's run also pays its own staging.
+    block; each other tier's run also pays its own staging. ``min_samples`` measurements make a model
+    trusted; ``explore_every``: every so many losing runs, one is restored anyway to measure its tier again.
     """
 
     def __init__(
@@ -164,6 +183,10 @@ class LoadPlanner:
             raise InvalidArgumentError(f"load_policy must be one of {list(MODES)}, got {mode!r}")
         if block_bytes <= 0 or block_tokens <= 0:
             raise InvalidArgumentError("block_bytes and block_tokens must be > 0")
+        if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
+            raise InvalidArgumentError(f"min_samples must be an int >= 1, got {min_samples!r}")
+        if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 1:
+            raise InvalidArgumentError(f"explore_every must be an int >= 1, got {explore_every!r}")
         self.mode = mode
         self.block_bytes = block_bytes
         self.block_tokens = block_tokens
@@ -176,6 +199,7 @@ class LoadPlanner:
         self._skipped_blocks = 0
         self._explored = 0
         self._would_skip = 0
+        self._skipped_lookups = 0
 
     def fit(self, tier: str) -> CostFit:
         fit = self._fits.get(tier)
@@ -191,43 +215,85 @@ class LoadPlanner:
         self.prefill.record(tokens, seconds)
 
     def _cost(self, tier: str, blocks: int) -> float | None:
-        """Predicted seconds to restore ``blocks`` from ``tier`` (staging + the copy into the engine), or
-        ``None`` when a model is not trustworthy yet."""
+        """Predicted seconds to restore ``blocks`` from ``tier`` (its staging + the copy into the engine), or
+        ``None`` when its model is not trustworthy yet. The copy into the engine counts for a lower tier once
+        it is measured (a device backend cannot time it apart from the forward it waits for: there it counts
+        as free, and a lower tier's staging is compared alone)."""
         nbytes = blocks * self.block_bytes
-        fits = [self._fits.get(self.load_tier)]
-        if tier != self.load_tier:
-            fits.append(self._fits.get(tier))
-        total = 0.0
-        for fit in fits:
-            if fit is None or fit.samples < self._min_samples:
-                return None
-            total += fit.predict(nbytes)
-        return total
+        load = self._fits.get(self.load_tier)
+        trusted_load = load is not None and load.samples >= self._min_samples
+        if tier == self.load_tier:
+            return load.predict(nbytes) if trusted_load and load is not None else None
+        fit = self._fits.get(tier)
+        if fit is None or fit.samples < self._min_samples:
+            return None
+        cost = fit.predict(nbytes)
+        if trusted_load and load is not None:
+            cost += load.predict(nbytes)
+        return cost
 
-    def plan(self, runs: Sequence[TierRun]) -> int:
-        """How many leading blocks of the concatenated ``runs`` to restore."""
-        self._decisions += 1
-        total = sum(r.blocks for r in runs)
-        if self.mode == "always":
-            return total
+    def _loses(self, tier: str, lo: int, hi: int) -> bool:
+        """Whether restoring a run of any length in ``lo..hi`` blocks from ``tier`` is predicted to take longer
+        than recomputing its tokens. False while a model is untrusted or the prefill rate unknown (restore,
+        and measure). The cost minus the recompute time is linear in the length: checking both ends is
+        checking every length."""
         rate = self.prefill.tokens_per_s
         if rate is None:
-            return total  # nothing to compare with yet: restore (and measure)
+            return False
+        for blocks in {lo, hi}:
+            cost = self._cost(tier, blocks)
+            if cost is None or cost <= blocks * self.block_tokens / rate:
+                return False
+        return True
+
+    def _explore(self) -> bool:
+        """A losing run: True every ``explore_every``-th time (restore it anyway, to measure it again)."""
+        self._would_skip += 1
+        if self._would_skip % self._explore_every == 0:
+            self._explored += 1
+            return True
+        return False
+
+    def worth(self, tier: str, blocks: int) -> bool:
+        """Whether to restore a run of ``blocks`` blocks that ``tier`` holds (one decision, counted). A run
+        left to recompute is counted in ``skipped_blocks``."""
+        self._decisions += 1
+        if self.mode == "always" or blocks <= 0:
+            return True
+        if self._loses(tier, blocks, blocks) and not self._explore():
+            self._skipped_blocks += blocks
+            return False
+        return True
+
+    def worth_asking(self, tier: str, max_blocks: int) -> bool:
+        """Before asking ``tier`` which of the next ``max_blocks`` blocks it holds: False when no run it could
+        answer (1 to ``max_blocks`` blocks) would be worth restoring, so the question (a lookup, which costs
+        a round trip on a remote tier) is not asked at all. Counted in ``skipped_lookups``."""
+        if self.mode == "always" or max_blocks <= 0:
+            return True
+        # A losing tier is asked anyway when its next losing run is due to be explored (worth() explores it).
+        if self._loses(tier, 1, max_blocks) and (self._would_skip + 1) % self._explore_every:
+            self._would_skip += 1
+            self._skipped_lookups += 1
+            return False
+        return True
+
+    def plan(self, runs: Sequence[TierRun]) -> int:
+        """How many leading blocks of the concatenated ``runs`` to restore: every run up to the first that is
+        not :meth:`worth` restoring (the blocks from there on are counted as skipped)."""
         use = 0
-        for r in runs:
+        for i, r in enumerate(runs):
             if r.blocks <= 0:
                 continue
-            cost = self._cost(r.tier, r.blocks)
-            recompute = r.blocks * self.block_tokens / rate
-            if cost is not None and cost > recompute:
-                self._would_skip += 1
-                if self._would_skip % self._explore_every == 0:
-                    self._explored += 1  # restore it anyway: a skipped tier must be measured again
-                else:
-                    break
+            if not self.worth(r.tier, r.blocks):
+                self._skipped_blocks += sum(x.blocks for x in runs[i + 1 :] if x.blocks > 0)
+                break
             use += r.blocks
-        self._skipped_blocks += total - use
         return use
+
+    def assume(self, tier: str, latency_s: float, bytes_per_s: float) -> None:
+        """Replace ``tier``'s measurements with a given cost (a model's figures, e.g. in ``aiokv replay``)."""
+        self._fits[tier] = CostFit.fixed(latency_s, bytes_per_s, samples=self._min_samples)
 
     def stats(self) -> PlannerStats:
         return PlannerStats(
@@ -236,6 +302,7 @@ class LoadPlanner:
             decisions=self._decisions,
             skipped_blocks=self._skipped_blocks,
             explored=self._explored,
+            skipped_lookups=self._skipped_lookups,
             tiers=tuple(
                 (name, fit.latency_s, fit.bytes_per_s, fit.samples)
                 for name, fit in sorted(self._fits.items())

@@ -71,7 +71,15 @@ class WriteThroughStats:
 
 @dataclass(frozen=True, slots=True)
 class OffloaderStats:
-    """A consistent snapshot of an offloader's counters. Block counts are in blocks, sizes in bytes."""
+    """A consistent snapshot of an offloader's counters. Block counts are in blocks, sizes in bytes.
+
+    The load planner's fields (docs/tuning.md): ``load_policy``; ``prefill_tokens_per_s``, the rate a
+    recompute is compared with (given, or measured from :meth:`Offloader.record_prefill`; ``None`` while
+    unknown); ``planner_skipped_blocks``, hits left to recompute because restoring their run was predicted
+    slower (they also count as misses); ``planner_skipped_lookups``, lower-tier lookups not made because no
+    run that tier could hold would win; ``planner``, a ``PlannerStats`` with each tier's fitted
+    ``(name, latency_s, bytes_per_s, samples)`` (``"cpu"`` is the copy into the engine), the decisions made
+    and the losing runs restored anyway to measure their tier again (``explored``)."""
 
     hits: int  # blocks found by lookups (all tiers)
     misses: int  # blocks looked up and not found
@@ -103,6 +111,13 @@ class OffloaderStats:
     write_through_dropped_slow: int = 0  # of write_through_dropped: shed because a tier did not keep up
     lower_tier_deadline_misses: int = 0  # lower-tier lookups/reads abandoned at lower_tier_deadline_s
     write_through: tuple[WriteThroughStats, ...] = field(default=())  # one per lower tier
+    load_policy: str = "always"  # the offloader's load_policy: "decide" or "always"
+    prefill_tokens_per_s: float | None = (
+        None  # the prefill rate the planner compares with (None: unknown yet)
+    )
+    planner_skipped_blocks: int = 0  # hits left to recompute: restoring their run was predicted to be slower
+    planner_skipped_lookups: int = 0  # lower-tier lookups not made: no run that tier could hold would win
+    planner: Any = None  # the load planner's PlannerStats: per-tier fitted latency_s, bytes_per_s, samples
 
     @property
     def hit_rate(self) -> float:

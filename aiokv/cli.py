@@ -148,6 +148,13 @@ def _add_replay(sub: Any) -> None:
         "--bandwidth", default=None, help="tier read bandwidths, NAME=25GB/s,... (defaults by name)"
     )
     p.add_argument(
+        "--load-policy",
+        choices=("decide", "always"),
+        default="decide",
+        help="decide (default, as the Offloader): a tier whose load is slower than recomputing its hits is "
+        "not loaded from (its hits and those of slower tiers are recomputed); always: load every hit",
+    )
+    p.add_argument(
         "--inflight",
         type=int,
         default=0,
@@ -322,7 +329,7 @@ def _plan_replay(args: argparse.Namespace) -> _ReplayPlan:
         kv_bytes_per_token=kv,
         model_name=model_name,
         model_desc=model_desc,
-        cost=CostModel(speed),
+        cost=CostModel(speed, load_policy=args.load_policy),
         have_rich=have_rich,
     )
 
@@ -415,6 +422,7 @@ def _report(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace, results: 
             "kv_bytes_per_token": kv,
             "block_bytes": block_bytes,
             "prefill_tokens_per_s": plan.cost.prefill_tokens_per_s,
+            "load_policy": plan.cost.load_policy,
             "inflight": args.inflight,
             "sweep_tier": plan.sweep_tier,
             "ttft_formula": TTFT_FORMULA,
@@ -435,8 +443,15 @@ def _report(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace, results: 
             f"{format_size(block_bytes)}, prefill {plan.cost.prefill_tokens_per_s:,.0f} tokens/s; "
             f"bandwidths "
             + ", ".join(f"{t.name}={t.resolved_bandwidth() / 1e9:g} GB/s" for t in plan.tiers)
+            + f"; load policy {plan.cost.load_policy}"
             + (f"; {args.inflight} in flight" if args.inflight else "")
         )
+        skipped = {t.name for r in results for t in r.tiers if t.skipped_blocks}
+        if skipped:
+            console.print(
+                f"[dim]load policy decide: hits in {', '.join(sorted(skipped))} are recomputed (loading them is "
+                "slower than recomputing; --load-policy always loads them)[/]"
+            )
         console.print(results_table(results))
         if len(results) == 1:
             console.print(tier_table(results[0]))

@@ -185,6 +185,13 @@ def _offloader_metrics(f: _Families, s: Any, off: Offloader) -> None:
     f.counter("kv_offload_lower_tier_deadline_misses",
               "Lower-tier lookups and reads abandoned at lower_tier_deadline_s (misses).",
               s.lower_tier_deadline_misses)  # fmt: skip
+    skipped = "Hit blocks recomputed rather than loaded: restoring their run was predicted slower."
+    f.counter("kv_offload_planner_skipped_blocks", skipped, s.planner_skipped_blocks)
+    f.counter("kv_offload_planner_skipped_lookups", "Lower-tier lookups not made: no run it could hold would win.",
+              s.planner_skipped_lookups)  # fmt: skip
+    if s.prefill_tokens_per_s is not None:
+        f.gauge("kv_offload_prefill_tokens_per_s", "Prefill speed the load planner compares loads with.",
+                s.prefill_tokens_per_s)  # fmt: skip
     f.gauge("kv_offload_requests_open", "Requests open on the offloader.", s.requests_open)
     f.counter("kv_offload_requests", "Requests opened on the offloader.", s.requests_opened)
     tiers = [("cpu", off.cpu), *((t.name, t) for t in off.lower)]

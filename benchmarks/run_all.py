@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -56,6 +57,16 @@ def fresh_result(bench: Path, since: float) -> tuple[str | None, Any]:
     return None, None
 
 
+def own_timeout(bench: Path, default: float, quick: bool) -> float:
+    """A benchmark that needs longer than the default in a full run says so in a line
+    ``RUN_ALL_TIMEOUT_S = <seconds>``; the longer of the two applies (not with --quick)."""
+    if not quick:
+        m = re.search(r"^RUN_ALL_TIMEOUT_S = ([0-9.]+)", bench.read_text(), re.MULTILINE)
+        if m:
+            return max(default, float(m.group(1)))
+    return default
+
+
 def run_one(bench: Path, extra: list[str], timeout: float) -> dict[str, Any]:
     started = time.time()
     t0 = time.perf_counter()
@@ -70,7 +81,9 @@ def run_one(bench: Path, extra: list[str], timeout: float) -> dict[str, Any]:
         rc, error = None, f"timed out after {timeout:.0f} s"
     wall = time.perf_counter() - t0
     path, result = fresh_result(bench, started)
-    warning = "wrote no results file" if rc == 0 and result is None else None  # its figures are only in the log
+    warning = (
+        "wrote no results file" if rc == 0 and result is None else None
+    )  # its figures are only in the log
     return {"name": short(bench), "script": bench.name, "ok": error is None, "returncode": rc, "error": error,
             "warning": warning, "wall_s": wall, "results_file": path, "result": result}  # fmt: skip
 
@@ -84,7 +97,11 @@ def headline(result: Any) -> str:
         if key in result:
             v = result[key]
             parts.append(f"{key}={v:.3g}" if isinstance(v, float) else f"{key}={v}")
-    if "index" in result and isinstance(result["index"], dict) and "traced_bytes_per_entry" in result["index"]:
+    if (
+        "index" in result
+        and isinstance(result["index"], dict)
+        and "traced_bytes_per_entry" in result["index"]
+    ):
         parts.append(f"index={result['index']['traced_bytes_per_entry']:.0f} B/entry")
     return " ".join(parts)
 
@@ -97,7 +114,9 @@ def status(run: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", action="append", metavar="NAME", help="run only this benchmark (repeatable)")
+    parser.add_argument(
+        "--only", action="append", metavar="NAME", help="run only this benchmark (repeatable)"
+    )
     parser.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per benchmark (default 300)")
     args = parser.parse_args()
@@ -105,7 +124,10 @@ def main() -> int:
     extra = ["--quick"] if args.quick else []
     t0 = time.perf_counter()
     # A benchmark without a --quick option runs in full rather than failing on the unknown flag.
-    runs = [run_one(b, extra if "--quick" in b.read_text() else [], args.timeout) for b in benches]
+    runs = [
+        run_one(b, extra if "--quick" in b.read_text() else [], own_timeout(b, args.timeout, args.quick))
+        for b in benches
+    ]
     total = time.perf_counter() - t0
 
     common.print_table(

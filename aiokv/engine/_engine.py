@@ -246,6 +246,8 @@ class Engine:
         # A device data path (CUDA or simulated): forwards are launched on the compute stream and steps are
         # reported before they complete (asynchronous scheduling).
         self._device = getattr(offloader, "device", None)
+        # The load planner's prefill measurements (an offloader-like object without them gets none).
+        self._record_prefill: Callable[[int, float], None] | None = getattr(offloader, "record_prefill", None)
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -597,6 +599,8 @@ class Engine:
                         await fut
                     raise
                 self._forward_s += elapsed
+                if self._record_prefill is not None:
+                    self._report_prefill(plan, elapsed)
                 self._apply(plan, sampled)
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
@@ -659,6 +663,18 @@ class Engine:
         await loop.run_in_executor(self._executor, device.synchronize, done)
         logits = out[0].cpu()
         return _sample_rows(logits, samplers), time.perf_counter() - t0
+
+    def _report_prefill(self, plan: list[tuple[_Seq, int]], elapsed: float) -> None:
+        """Tell the offloader's load planner how fast this forward computed, when it was mostly prefill: the
+        rate a recompute of a cached prefix would run at (``load_policy="decide"`` compares loads with it)."""
+        assert self._record_prefill is not None
+        tokens = 0
+        prefill = 0
+        for seq, n in plan:
+            tokens += n
+            prefill += max(0, min(seq.num_computed + n, seq.prefill_target) - seq.num_computed)
+        if prefill * 2 >= tokens > 0:
+            self._record_prefill(tokens, elapsed)
 
     def _report_step(self, seq: _Seq, end: int) -> None:
         """Tell aiokv that ``seq`` has (or, on a device, will have) the KV of its first ``end`` tokens."""

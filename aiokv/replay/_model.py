@@ -7,15 +7,24 @@ The cost model is deliberately simple and stated in full wherever its numbers ar
                                  + sum over tiers t of loaded_blocks_t * block_bytes / bandwidth_t
     TTFT saving                = hit_tokens / prefill_tokens_per_s - sum_t loaded_bytes_t / bandwidth_t
 
-Prefill cost is linear in tokens (attention's quadratic term, batching and queueing are ignored), loads are not
-overlapped with compute, and a hit is always loaded (an engine that recomputes when loading is slower would do
-at least as well). Summed over requests the saving is exact under this model, so it is computed from totals.
+Prefill cost is linear in tokens (attention's quadratic term, batching and queueing are ignored) and loads are
+not overlapped with compute. Summed over requests the saving is exact under this model, so it is computed from
+totals.
+
+Which hits are loaded follows ``load_policy``, with the offloader's own decision code
+(:class:`aiokv._planner.LoadPlanner`, given each tier's modelled bandwidth and the prefill speed):
+``"decide"`` (the default, as in :class:`aiokv.Offloader`) loads a tier's run only when that is faster than
+recomputing its tokens and stops at the first tier that loses, whose hits and those of every slower tier are
+then recomputed (counted as skipped, excluded from the saving); ``"always"`` loads every hit. The decision
+only changes the TTFT accounting: hit counts and the tiers' contents evolve the same either way (a recomputed
+block is stored back into the tiers, as a restored one is staged into them).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._errors import InvalidArgumentError, InvalidTypeError
@@ -33,7 +42,8 @@ __all__ = [
 
 TTFT_FORMULA = (
     "ttft saving = hit_tokens / prefill_tokens_per_s - sum over tiers of loaded_bytes / tier_bandwidth "
-    "(linear prefill, loads not overlapped with compute)"
+    "(linear prefill, loads not overlapped with compute; with load_policy=decide, hits of a tier slower than "
+    "recomputing, and of every tier after it, are recomputed instead)"
 )
 
 _UNITS = {
@@ -165,10 +175,36 @@ class CostModel:
     """Inputs of the TTFT estimate (see the module docstring)."""
 
     prefill_tokens_per_s: float
+    load_policy: str = "decide"  # "decide" or "always", as Offloader(load_policy=...)
 
     def __post_init__(self) -> None:
+        from .._planner import MODES
+
+        if not isinstance(self.load_policy, str):
+            raise InvalidTypeError(f"load_policy must be a str, got {type(self.load_policy).__name__}")
+        if self.load_policy not in MODES:
+            raise InvalidArgumentError(f"load_policy must be one of {list(MODES)}, got {self.load_policy!r}")
         speed = self.prefill_tokens_per_s
         if isinstance(speed, bool) or not isinstance(speed, (int, float)):
             raise InvalidTypeError(f"prefill_tokens_per_s must be a number, got {type(speed).__name__}")
         if not (math.isfinite(speed) and speed > 0):
             raise InvalidArgumentError(f"prefill_tokens_per_s must be > 0 and finite, got {speed!r}")
+
+    def restored_tiers(self, tiers: Sequence[tuple[str, float]], block_bytes: int, block_tokens: int) -> int:
+        """How many of ``tiers`` (``(name, bandwidth)``, fastest first) have their hits loaded: all of them
+        with ``"always"``; with ``"decide"``, those before the first whose load is slower than recomputing,
+        as the offloader's :class:`~aiokv._planner.LoadPlanner` decides it. A modelled load has no latency,
+        so the decision does not depend on the run's length and is made once per tier."""
+        from .._planner import LoadPlanner, TierRun
+
+        planner = LoadPlanner(
+            block_bytes,
+            block_tokens,
+            mode=self.load_policy,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            load_tier="",  # each tier's bandwidth is its whole path into the engine: no separate copy
+        )
+        for name, bandwidth in tiers:
+            planner.assume(name, 0.0, bandwidth)
+        restored = planner.plan([TierRun(name, 1) for name, _ in tiers])
+        return restored

@@ -106,7 +106,7 @@ def tier_table(result: ReplayResult) -> Any:
             f"{t.hit_tokens:,}",
             format_size(t.loaded_bytes),
             _seconds(t.load_s),
-            _seconds(t.hit_tokens / result.prefill_tokens_per_s - t.load_s),
+            _seconds((t.hit_tokens - t.skipped_tokens) / result.prefill_tokens_per_s - t.load_s),
             format_size(t.stored_bytes),
             format_size(t.staged_bytes),
             format_size(t.evicted_bytes),

@@ -103,10 +103,12 @@ class TierResult:
     staged_blocks: int  # blocks served by a slower tier and copied into this one
     evicted_blocks: int
     block_bytes: int
+    skipped_blocks: int = 0  # hits recomputed instead (load_policy="decide": loading them was slower)
+    skipped_tokens: int = 0
 
     @property
     def loaded_bytes(self) -> int:
-        return self.hit_blocks * self.block_bytes
+        return (self.hit_blocks - self.skipped_blocks) * self.block_bytes
 
     @property
     def stored_bytes(self) -> int:
@@ -142,6 +144,16 @@ class ReplayResult:
     inflight: int
     tiers: tuple[TierResult, ...]
     elapsed_s: float = field(compare=False)
+    load_policy: str = "always"
+
+    @property
+    def skipped_tokens(self) -> int:
+        """Hit tokens recomputed rather than loaded (``load_policy="decide"``)."""
+        return sum(t.skipped_tokens for t in self.tiers)
+
+    @property
+    def loaded_tokens(self) -> int:
+        return self.hit_tokens - self.skipped_tokens
 
     @property
     def block_hit_ratio(self) -> float:
@@ -159,7 +171,7 @@ class ReplayResult:
     @property
     def ttft_saved_s(self) -> float:
         """Total TTFT saved over all requests (see ``TTFT_FORMULA``); negative when loads cost more."""
-        return self.hit_tokens / self.prefill_tokens_per_s - sum(t.load_s for t in self.tiers)
+        return self.loaded_tokens / self.prefill_tokens_per_s - sum(t.load_s for t in self.tiers)
 
     @property
     def ttft_saved_ratio(self) -> float:
@@ -194,6 +206,7 @@ class ReplayResult:
             ttft_saved_ratio=self.ttft_saved_ratio,
             ttft_formula=TTFT_FORMULA,
             refs_per_s=self.refs_per_s,
+            skipped_tokens=self.skipped_tokens,
         )
         return out
 
@@ -334,6 +347,9 @@ def replay(
         if gc_was_enabled:
             gc.enable()
 
+    restored = cost.restored_tiers(
+        [(t.name, bw) for t, bw in zip(tiers, bandwidths, strict=True)], block_bytes, bt
+    )
     results = tuple(
         TierResult(
             name=cfg.name,
@@ -347,6 +363,8 @@ def replay(
             staged_blocks=staged[t],
             evicted_blocks=index.stats().evictions,
             block_bytes=block_bytes,
+            skipped_blocks=hit_blocks[t] if t >= restored else 0,
+            skipped_tokens=hit_tokens[t] if t >= restored else 0,
         )
         for t, (cfg, pol, bw, index) in enumerate(zip(tiers, policies, bandwidths, indexes, strict=True))
     )
@@ -366,6 +384,7 @@ def replay(
         inflight=inflight,
         tiers=results,
         elapsed_s=elapsed,
+        load_policy=cost.load_policy,
     )
 
 

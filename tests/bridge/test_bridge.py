@@ -145,6 +145,19 @@ async def test_errors_come_back_through_the_future() -> None:
 
 
 @pytest.mark.asyncio
+async def test_an_engine_thread_reports_its_prefill_speed() -> None:
+    eng = SimEngine(num_blocks=8)
+
+    def engine(bridge: ThreadBridge, eng: SimEngine) -> float | None:
+        bridge.record_prefill(4000, 1.0).result(WAIT)
+        with pytest.raises(aiokv.InvalidArgumentError, match="tokens must be >= 0, got -1"):
+            bridge.record_prefill(-1, 1.0).result(WAIT)
+        return bridge.stats().result(WAIT).prefill_tokens_per_s
+
+    assert await _in_thread(engine, eng) == 4000.0
+
+
+@pytest.mark.asyncio
 async def test_the_loop_thread_itself_is_refused() -> None:
     eng = SimEngine(num_blocks=8)
     async with aiokv.Offloader(eng.layout, tiers=[aiokv.CPUTier(capacity_bytes=4 << 20)]) as off:

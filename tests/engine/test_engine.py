@@ -674,3 +674,18 @@ async def test_failed_and_corrupt_loads_are_recomputed_and_outputs_match(
     assert stats.blocks_loaded > 0  # ...others restored
     faults = lower.stats()
     assert faults.read_failures + faults.corrupted > 0  # and the lower tier misbehaved
+
+
+@pytest.mark.asyncio
+async def test_the_engine_reports_its_prefill_speed_to_the_load_planner(tiny_model: Transformer) -> None:
+    """load_policy="decide" needs no configuration with the reference engine: its prefill forwards are
+    reported, so the offloader knows the rate recomputing a prefix would run at."""
+    cache = PagedKVCache(tiny_model.config, 20)
+    off = aiokv.Offloader(cache.layout(), tiers=[aiokv.CPUTier(capacity_bytes=8 * cache.layout().slot_bytes)])
+    async with off, Engine(tiny_model, cache, offloader=off) as engine:
+        assert off.stats().prefill_tokens_per_s is None
+        await engine.generate(list(range(40)), max_tokens=2)
+        stats = off.stats()
+    assert stats.load_policy == "decide"
+    assert stats.prefill_tokens_per_s is not None
+    assert stats.prefill_tokens_per_s > 0

@@ -151,3 +151,18 @@ def test_help_lists_the_replay_subcommand(capsys: pytest.CaptureFixture[str]) ->
         main(["--help"])
     assert exc.value.code == 0
     assert "replay" in capsys.readouterr().out
+
+
+def test_load_policy_decide_recomputes_what_a_slow_tier_would_load(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """llama3-8b prefills ~24.7k tokens/s, 128 KiB of KV a token: a 1 GB/s tier loads slower than that."""
+    args = (CONV, "--tiers", "cpu=4GiB,disk=1TiB", "--bandwidth", "disk=1GB/s")
+    decide = run_json(capsys, *args)
+    always = run_json(capsys, *args, "--load-policy", "always")
+    assert (decide["load_policy"], always["load_policy"]) == ("decide", "always")
+    d, a = decide["runs"][0], always["runs"][0]
+    assert d["hit_blocks"] == a["hit_blocks"]
+    assert d["tiers"][1]["skipped_blocks"] == d["tiers"][1]["hit_blocks"] > 0
+    assert a["tiers"][1]["skipped_blocks"] == 0
+    assert d["ttft_saved_s"] > a["ttft_saved_s"]

@@ -207,3 +207,40 @@ def test_bad_arguments_are_rejected() -> None:
         TierConfig("cpu", 0)
     with pytest.raises(InvalidArgumentError, match="prefill_tokens_per_s must be > 0"):
         CostModel(0.0)
+
+
+# ----------------------------------------------------------------------------------------- load policy
+def _two_tier_run(load_policy: str, disk_bandwidth: float) -> ReplayResult:
+    # cpu holds 1 block, disk 8: R3 finds a,b in disk only (cpu holds c). 1 byte a token, 1000 tokens/s:
+    # recomputing a block of 4 tokens takes 4 ms, loading it from a 100 B/s disk 40 ms, from 10 kB/s 0.4 ms.
+    tiers = [TierConfig("cpu", 4, bandwidth=1e9), TierConfig("disk", 32, bandwidth=disk_bandwidth)]
+    cost = CostModel(1000.0, load_policy=load_policy)
+    return replay(make_trace("ab", "c", "abd", block_tokens=4), tiers, kv_bytes_per_token=KV, cost=cost)
+
+
+def test_decide_recomputes_the_hits_of_a_tier_slower_than_prefill_with_the_same_hit_counts() -> None:
+    always = _two_tier_run("always", 100.0)
+    decide = _two_tier_run("decide", 100.0)
+    assert (always.hit_blocks, decide.hit_blocks) == (2, 2)  # the cache behaves the same
+    assert [t.hit_blocks for t in decide.tiers] == [t.hit_blocks for t in always.tiers] == [0, 2]
+    assert always.ttft_saved_s == pytest.approx(8 / 1000 - 8 / 100)  # loading lost: a negative saving
+    assert decide.skipped_tokens == 8
+    assert decide.tiers[1].skipped_blocks == 2
+    assert decide.tiers[1].loaded_bytes == 0
+    assert decide.ttft_saved_s == 0.0
+    assert decide.load_policy == "decide"
+    assert decide.to_dict()["skipped_tokens"] == 8
+
+
+def test_decide_loads_from_a_tier_faster_than_prefill() -> None:
+    decide = _two_tier_run("decide", 10e3)
+    assert decide.skipped_tokens == 0
+    assert decide.ttft_saved_s == pytest.approx(_two_tier_run("always", 10e3).ttft_saved_s)
+    assert decide.ttft_saved_s == pytest.approx(8 / 1000 - 8 / 10e3)
+
+
+def test_a_bad_load_policy_is_a_clear_error() -> None:
+    with pytest.raises(
+        InvalidArgumentError, match=r"load_policy must be one of \['always', 'decide'\], got 'x'"
+    ):
+        CostModel(1000.0, load_policy="x")

@@ -21,6 +21,8 @@ COUNTERS = {
     "aiokv:prefix_cache_hits",
     "aiokv:kv_offload_store_bytes",
     "aiokv:kv_offload_load_bytes",
+    "aiokv:kv_offload_planner_skipped_blocks",
+    "aiokv:kv_offload_planner_skipped_lookups",
     "aiokv:num_preemptions",
     "aiokv:prompt_tokens_by_source",
     "aiokv:request_success",
