@@ -154,7 +154,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_queued_requests", "int", "requests waiting for the engine at most; beyond it: 429"),
     Option("default_max_tokens", "int", "max_tokens of a chat request that gives none"),
     Option("tiers", "str", "offload tiers fastest first: cpu=SIZE[,disk=PATH:SIZE][,redis=URL]"),
-    Option("eviction", "str", "CPU tier eviction policy (lru, arc, chain-lru, ...)"),
+    Option("eviction", "str", "CPU tier eviction policy (lru, arc, chain-lru, session, ...)"),
+    Option(
+        "load_policy",
+        "choice",
+        "decide: restore a cached prefix only where that beats recomputing it (measured); always: every hit",
+        choices=("decide", "always"),
+    ),
     Option(
         "offload", "bool", "no KV offloading: recompute every prompt (for comparison)", flag="--no-offload"
     ),
@@ -223,6 +229,7 @@ class ServeConfig:
     default_max_tokens: int = 256
     tiers: str = "cpu=256MiB"
     eviction: str = "lru"
+    load_policy: str = "decide"
     offload: bool = True
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
@@ -271,6 +278,8 @@ class ServeConfig:
 
             if self.eviction not in policy_names():
                 raise InvalidArgumentError(f"eviction must be one of {policy_names()}, got {self.eviction!r}")
+        if self.load_policy not in ("decide", "always"):
+            raise InvalidArgumentError(f"load_policy must be 'decide' or 'always', got {self.load_policy!r}")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -175,6 +175,7 @@ class Service:
                         cache.layout(),
                         tiers=tiers,
                         eviction=cfg.eviction,
+                        load_policy=cfg.load_policy,
                         kv_events_endpoint=cfg.kv_events_endpoint,
                         kv_events_replay_endpoint=cfg.kv_events_replay_endpoint,
                     )

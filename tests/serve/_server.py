@@ -24,13 +24,16 @@ START_TIMEOUT = 60.0
 
 
 def config(**changes: Any) -> ServeConfig:
-    """A small, quiet server: the tiny model, a 64 MiB CPU tier."""
+    """A small, quiet server: the tiny model, a 64 MiB CPU tier, every cached prefix restored (with
+    ``load_policy="decide"`` the tiny model's recompute can beat a copy, so cached tokens would depend on the
+    machine's timing)."""
     base = ServeConfig(
         host="127.0.0.1",
         port=0,
         model="tiny",
         num_blocks=256,
         tiers="cpu=64MiB",
+        load_policy="always",
         log_level="warning",
         access_log=False,
         drain_timeout=10.0,

@@ -85,6 +85,10 @@ def test_settings_come_from_flags_then_environment_then_defaults() -> None:
         ServeConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="eviction must be one of"):
         ServeConfig(eviction="fifo-ish")
+    with pytest.raises(ValueError, match="load_policy must be 'decide' or 'always', got 'sometimes'"):
+        ServeConfig(load_policy="sometimes")
+    assert ServeConfig.from_sources({}, {"AIOKV_LOAD_POLICY": "always"}).load_policy == "always"
+    assert ServeConfig().load_policy == "decide"
 
 
 def _bad(parse: object, body: object, message: str, param: str | None) -> None:
