@@ -401,7 +401,7 @@ async def test_a_read_past_the_deadline_is_a_miss_and_its_slots_wait_for_the_rea
         # The abandoned read is the load planner's measurement of the tier: at least the deadline for 4 blocks.
         (_name, _latency, bytes_per_s, samples), *_ = [t for t in s.planner.tiers if t[0] != "cpu"]
         assert samples == 1
-        assert bytes_per_s <= 4 * eng.layout.slot_bytes / 0.05
+        assert bytes_per_s <= 4 * eng.layout.slot_bytes / 0.04  # ~0.05 s (uvloop timers may fire ~1 ms early)
         await req.abort()
         tier.hold_reads.set()
         await tier.read_ended.wait()
