@@ -179,6 +179,10 @@ class Offloader:
         self.cpu.bind(layout, eviction, device)
         self.lower: tuple[BackingTier, ...] = tuple(tiers[1:])  # type: ignore[arg-type]
         self._index = self.cpu.index
+        # Lower tiers with per-tenant quotas: the CPU index records each block's tenant for their write-through.
+        self._tenant_tiers = tuple(t for t in self.lower if t.has_tenant_quotas)
+        if self._tenant_tiers:
+            self._index.track_tenants()
         self._write_through_max_bytes = write_through_max_bytes
         self._close_timeout = close_timeout
         self._write_through_max_delay = write_through_max_delay_s
@@ -625,7 +629,7 @@ class Offloader:
             raise InvalidArgumentError(
                 f"priority must be in [-{_MAX_PRIORITY}, {_MAX_PRIORITY}], got {priority}"
             )
-        tenant = self.cpu.tenant_key(salt) if self.cpu.has_tenant_quotas else None
+        tenant = self._tenant_key(salt)
         req = Request(
             self,
             key,
@@ -643,6 +647,16 @@ class Offloader:
         self._counters.requests_opened += 1
         req._start()
         return req
+
+    def _tenant_key(self, salt: object) -> bytes | None:
+        """The tenant (canonical salt) a request's blocks count against in the tiers with quotas, each asked
+        for it (a callable quota learns the tenant's quota here); ``None`` when no tier has quotas."""
+        tenant = None
+        if self.cpu.has_tenant_quotas:
+            tenant = self.cpu.tenant_key(salt)
+        for tier in self._tenant_tiers:
+            tenant = tier.tenant_key(salt)
+        return tenant
 
     def step_batch(self, updates: Iterable[StepUpdate]) -> None:
         """Report one engine step for many requests: each update is a
@@ -1196,6 +1210,7 @@ class _WriteThrough:
         self._max_delay = max_delay_s
         self._clock: Callable[[], float] = off._clock
         self._slot_bytes = off.layout.slot_bytes
+        self._tenants = tier.has_tenant_quotas  # write each block for its tenant (recorded by the CPU index)
         self._queue: deque[bytes] = deque()
         self._queued_at: deque[float] = deque()  # when each queued key was offered (clock time)
         self._wake: asyncio.Event = asyncio.Event()
@@ -1337,7 +1352,10 @@ class _WriteThrough:
             timed_out = False
             try:
                 views = [cpu.slot_view(index.slot(key)) for key in batch]
-                write = self._tier.write(batch, views)
+                if self._tenants:
+                    write = self._tier.write_tenants(batch, views, [index.tenant(key) for key in batch])
+                else:
+                    write = self._tier.write(batch, views)
                 if self._max_delay is None or self._closing:
                     n = await write
                 else:

@@ -162,6 +162,24 @@ class BlockIndex:
         self._quota = quota
         self._tenant_of = [None] * self.num_slots
 
+    def track_tenants(self) -> None:
+        """Record each entry's tenant (``reserve(..., tenant=)``, read back by :meth:`tenant`) without limiting
+        any: for the tiers below, which enforce their own quotas. Set it before the first reserve; a no-op
+        when quotas already record tenants."""
+        if self._tenant_of is not None:
+            return
+        if self._slots:
+            raise InvalidArgumentError("tenant tracking must be set before the first entry is reserved")
+        self._tenant_of = [None] * self.num_slots
+
+    def tenant(self, key: bytes) -> bytes | None:
+        """The tenant ``key``'s entry was reserved for (``None``: none, not tracked, or absent)."""
+        tenant_of = self._tenant_of
+        if tenant_of is None:
+            return None
+        slot = self._slots.get(key)
+        return None if slot is None else tenant_of[slot]
+
     def tenant_slots(self, tenant: bytes) -> int:
         """Slots (pending or ready) held by ``tenant``'s entries."""
         return self._tenant_used.get(tenant, 0)
