@@ -128,3 +128,23 @@ async def test_the_disk_tiers_quota_keeps_a_noisy_tenant_from_evicting_a_quiet_o
         assert await _hit(off2, pq, "quiet") == 12
         assert await _hit(off2, pn1, "noisy") == 0
         assert await _hit(off2, pn2, "noisy") == 2 * BS
+
+
+async def test_a_disk_tiers_callable_quota_is_asked_at_open_and_a_bad_answer_refuses_the_request(
+    tmp_path: Path,
+) -> None:
+    eng = SimEngine(block_size=BS)
+    asked: list[object] = []
+
+    def quota(salt: object) -> object:
+        asked.append(salt)
+        return "lots" if salt == "bad" else None
+
+    disk = DiskTier(tmp_path, 1 << 20, tenant_quota_bytes=quota)  # type: ignore[arg-type]
+    async with Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=16 * eng.layout.slot_bytes), disk]) as off:
+        off.open("a", [1, 2, 3], salt="good")
+        with pytest.raises(aiokv.InvalidTypeError, match=r"tenant_quota_bytes for salt 'bad' must be an int"):
+            off.open("b", [1, 2, 3], salt="bad")
+        assert off.get("b") is None
+        off.open("c", [1, 2, 3], salt="good")
+        assert asked == ["good", "bad"]
