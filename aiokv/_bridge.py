@@ -120,6 +120,7 @@ class ThreadBridge:
         max_load_tokens: int | None = None,
         store_decode: bool = True,
         retain_s: float | None = None,
+        priority: int = 0,
     ) -> concurrent.futures.Future[ThreadRequest]:
         """:meth:`Offloader.open` on the loop; resolves to the request's thread-side handle."""
         tokens = list(prompt_token_ids)
@@ -135,6 +136,7 @@ class ThreadBridge:
                 max_load_tokens=max_load_tokens,
                 store_decode=store_decode,
                 retain_s=retain_s,
+                priority=priority,
             )
             return ThreadRequest(self, req)
 

@@ -47,6 +47,8 @@ __all__ = ["Offloader"]
 
 _log = get_logger("offloader")
 
+_MAX_PRIORITY = 100  # Offloader.open(priority=...) is in [-_MAX_PRIORITY, _MAX_PRIORITY]
+
 
 class Offloader:
     """Offloads full KV blocks of an engine's requests to tiers and loads cached prefixes back.
@@ -177,6 +179,10 @@ class Offloader:
         self.cpu.bind(layout, eviction, device)
         self.lower: tuple[BackingTier, ...] = tuple(tiers[1:])  # type: ignore[arg-type]
         self._index = self.cpu.index
+        # Lower tiers with per-tenant quotas: the CPU index records each block's tenant for their write-through.
+        self._tenant_tiers = tuple(t for t in self.lower if t.has_tenant_quotas)
+        if self._tenant_tiers:
+            self._index.track_tenants()
         self._write_through_max_bytes = write_through_max_bytes
         self._close_timeout = close_timeout
         self._write_through_max_delay = write_through_max_delay_s
@@ -569,6 +575,7 @@ class Offloader:
         max_load_tokens: int | None = None,
         store_decode: bool = True,
         retain_s: float | None = None,
+        priority: int = 0,
     ) -> Request:
         """Open a request and start its state-machine task. ``salt`` (e.g. a tenant id) makes its block
         hashes disjoint from other salts'; ``extra_keys`` (LoRA id, multimodal hashes, ...) likewise.
@@ -582,7 +589,13 @@ class Offloader:
 
         ``retain_s``: when the request finishes, its blocks in the CPU tier get retention for that many seconds
         (a conversation's next turn is expected within it): a policy with retention (``eviction="session"``)
-        evicts them only after every block without it until the time is up; other policies ignore it."""
+        evicts them only after every block without it until the time is up; other policies ignore it.
+
+        ``priority`` (an int in ``-100..100``, default 0): the blocks this request stores in the CPU tier, or
+        stages into it from a lower tier, carry it; with ``eviction="session"`` lower-priority blocks are
+        evicted first among blocks with the same retention status (a block stored again by a higher-priority
+        request takes the higher priority; a hit does not change it). Other policies ignore it; the
+        write-through queues and the lower tiers do not use it."""
         self._check_thread("open")
         if self._state != "running":
             raise ClosedError(
@@ -610,7 +623,13 @@ class Offloader:
                 raise InvalidTypeError(f"retain_s must be a number or None, got {type(retain_s).__name__}")
             if not (math.isfinite(retain_s) and retain_s >= 0):
                 raise InvalidArgumentError(f"retain_s must be a finite number >= 0, got {retain_s}")
-        tenant = self.cpu.tenant_key(salt) if self.cpu.has_tenant_quotas else None
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidTypeError(f"priority must be an int, got {type(priority).__name__}")
+        if not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY:
+            raise InvalidArgumentError(
+                f"priority must be in [-{_MAX_PRIORITY}, {_MAX_PRIORITY}], got {priority}"
+            )
+        tenant = self._tenant_key(salt)
         req = Request(
             self,
             key,
@@ -622,11 +641,22 @@ class Offloader:
             store_decode=store_decode,
             tenant=tenant,
             retain_s=retain_s,
+            priority=priority,
         )
         self._requests[key] = req
         self._counters.requests_opened += 1
         req._start()
         return req
+
+    def _tenant_key(self, salt: object) -> bytes | None:
+        """The tenant (canonical salt) a request's blocks count against in the tiers with quotas, each asked
+        for it (a callable quota learns the tenant's quota here); ``None`` when no tier has quotas."""
+        tenant = None
+        if self.cpu.has_tenant_quotas:
+            tenant = self.cpu.tenant_key(salt)
+        for tier in self._tenant_tiers:
+            tenant = tier.tenant_key(salt)
+        return tenant
 
     def step_batch(self, updates: Iterable[StepUpdate]) -> None:
         """Report one engine step for many requests: each update is a
@@ -667,10 +697,11 @@ class Offloader:
         mark: Any = None,
         source: Any = None,
         tenant: bytes | None = None,
+        priority: int = 0,
     ) -> TransferFuture | None:
         """Reserve CPU slots for blocks ``start..end-1`` (engine blocks ``blocks[i]``, hashes ``chain[i]``) and
         submit one store copy for them. ``source`` (the storing request) names the blocks' tenant and tokens
-        in KV events."""
+        in KV events; ``tenant`` and ``priority`` are the request's quota key and eviction priority."""
         index = self._index
         c = self._counters
         meta = self._ev_meta
@@ -681,7 +712,7 @@ class Offloader:
         for i in range(start, end):
             key = chain[i]
             parent = chain[i - 1] if i else None
-            slot = index.reserve(key, parent, i, tenant)
+            slot = index.reserve(key, parent, i, tenant, priority)
             if slot is None:
                 if index.state(key) is not None:
                     c.stores_deduplicated += 1
@@ -709,8 +740,9 @@ class Offloader:
         source: Any = None,
         num_tokens: int | None = None,
         tenant: bytes | None = None,
+        priority: int = 0,
     ) -> TransferFuture | None:
-        slot = self._index.reserve(key, parent, depth, tenant)
+        slot = self._index.reserve(key, parent, depth, tenant, priority)
         if self._ev_meta is not None:
             if slot is not None:
                 count = self.block_size if num_tokens is None else num_tokens
@@ -824,7 +856,7 @@ class Offloader:
         return self._index.pin_prefix(keys)
 
     async def _lookup_and_pin(
-        self, keys: list[bytes], source: Any = None, tenant: bytes | None = None
+        self, keys: list[bytes], source: Any = None, tenant: bytes | None = None, priority: int = 0
     ) -> tuple[list[bytes], list[int]]:
         """Pin the longest prefix of ``keys`` available across all tiers; return its keys and CPU slots.
 
@@ -857,7 +889,7 @@ class Offloader:
                     break  # keys[pos] is pending in the CPU tier (being stored or staged)
                 ahead_slots = index.pin_prefix(keys[end:])
                 ahead = keys[end : end + len(ahead_slots)]
-                got_keys, got_slots = await self._stage_run(keys, pos, end, source, tenant)
+                got_keys, got_slots = await self._stage_run(keys, pos, end, source, tenant, priority)
                 pinned.extend(got_keys)
                 slots.extend(got_slots)
                 if len(got_keys) < end - pos:
@@ -879,7 +911,13 @@ class Offloader:
         return pinned, slots
 
     async def _stage_run(
-        self, keys: list[bytes], start: int, end: int, source: Any = None, tenant: bytes | None = None
+        self,
+        keys: list[bytes],
+        start: int,
+        end: int,
+        source: Any = None,
+        tenant: bytes | None = None,
+        priority: int = 0,
     ) -> tuple[list[bytes], list[int]]:
         """Stage ``keys[start:end]`` (all missing from the CPU tier) from the lower tiers, fastest first; return
         the pinned prefix that arrived."""
@@ -894,7 +932,7 @@ class Offloader:
                 name = self._tier_names[ti]
                 if not planner.worth_asking(name, end - pos):
                     continue  # no run this tier could hold would restore faster than it recomputes
-                k, s = await self._stage(tier, name, keys, pos, end, source, tenant)
+                k, s = await self._stage(tier, name, keys, pos, end, source, tenant, priority)
                 if not k:
                     continue
                 got_keys.extend(k)
@@ -919,6 +957,7 @@ class Offloader:
         end: int,
         source: Any = None,
         tenant: bytes | None = None,
+        priority: int = 0,
     ) -> tuple[list[bytes], list[int]]:
         """Copy the run of ``keys[start:end]`` held by ``tier`` into fresh CPU slots; pin and return the
         verified prefix. A tier that fails (or raises) yields a miss from the failing block on; so does one
@@ -950,7 +989,7 @@ class Offloader:
         for j, key in enumerate(rest[:n]):
             i = start + j
             parent = keys[i - 1] if i else None
-            slot = index.reserve(key, parent, i, tenant)
+            slot = index.reserve(key, parent, i, tenant, priority)
             if slot is None:  # raced with another stager / store, no room, or at quota: stop the run here
                 break
             want.append(key)
@@ -1171,6 +1210,7 @@ class _WriteThrough:
         self._max_delay = max_delay_s
         self._clock: Callable[[], float] = off._clock
         self._slot_bytes = off.layout.slot_bytes
+        self._tenants = tier.has_tenant_quotas  # write each block for its tenant (recorded by the CPU index)
         self._queue: deque[bytes] = deque()
         self._queued_at: deque[float] = deque()  # when each queued key was offered (clock time)
         self._wake: asyncio.Event = asyncio.Event()
@@ -1312,7 +1352,10 @@ class _WriteThrough:
             timed_out = False
             try:
                 views = [cpu.slot_view(index.slot(key)) for key in batch]
-                write = self._tier.write(batch, views)
+                if self._tenants:
+                    write = self._tier.write_tenants(batch, views, [index.tenant(key) for key in batch])
+                else:
+                    write = self._tier.write(batch, views)
                 if self._max_delay is None or self._closing:
                     n = await write
                 else:

@@ -209,6 +209,7 @@ class Request:
         "max_load_tokens",
         "max_store_tokens",
         "num_computed_tokens",
+        "priority",
         "request_id",
         "salt",
         "state",
@@ -229,8 +230,10 @@ class Request:
         store_decode: bool = True,
         tenant: bytes | None = None,
         retain_s: float | None = None,
+        priority: int = 0,
     ) -> None:
         self._off = off
+        self.priority = priority  # eviction priority of the blocks it stores or stages (CPU tier)
         self._retain_s = retain_s
         self._tenant = tenant  # the CPU tier's quota key (canonical salt) when it has tenant quotas
         self.request_id = request_id
@@ -752,7 +755,9 @@ class Request:
             return
         # What _guarded() does, inline: this runs for every stored block of every request.
         try:
-            tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark, self, self._tenant)
+            tf = self._off._store_blocks(
+                self._chain(end), start, end, blocks, mark, self, self._tenant, self.priority
+            )
         except Exception as exc:
             self._off._store_not_submitted(self.request_id, exc)
             return
@@ -804,7 +809,9 @@ class Request:
     def _do_store_partial(self, index: int, block_id: int, k: int, mark: Any) -> None:
         bs = self._off.block_size
         key = partial_block_hash(self._parent(index), self.token_ids[index * bs : index * bs + k])
-        tf = self._off._store_one(key, self._parent(index), index, block_id, mark, self, k, self._tenant)
+        tf = self._off._store_one(
+            key, self._parent(index), index, block_id, mark, self, k, self._tenant, self.priority
+        )
         if tf is not None:
             self._track(tf)
 
@@ -817,7 +824,7 @@ class Request:
         if max_blocks * bs > load_cap:  # max_load_tokens
             max_blocks = load_cap // bs
         keys = self._chain(max_blocks)[:max_blocks]
-        pinned, slots = await off._lookup_and_pin(keys, self, self._tenant)
+        pinned, slots = await off._lookup_and_pin(keys, self, self._tenant, self.priority)
         hit = len(pinned)
         partial = 0
         if off.store_partial_last_block:

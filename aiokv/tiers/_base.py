@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._errors import InvalidArgumentError
+from .._hashing import _canon
 
 if TYPE_CHECKING:
     from ..events._emit import TierEvents
@@ -97,6 +98,26 @@ class BackingTier(ABC):
     @abstractmethod
     def stats(self) -> Any:
         """A frozen dataclass of this tier's counters and health."""
+
+    # Per-tenant quotas (optional; the defaults are a tier without them). The offloader asks
+    # ``tenant_key(salt)`` at each ``open`` and writes through with ``write_tenants`` to a tier whose
+    # ``has_tenant_quotas`` is true; every other tier only ever sees ``write``.
+    @property
+    def has_tenant_quotas(self) -> bool:
+        """Whether this tier bounds the bytes each tenant's entries may hold (default ``False``)."""
+        return False
+
+    def tenant_key(self, salt: object) -> bytes:
+        """The tenant a request with ``salt`` counts against: its canonical salt (a tier with a callable quota
+        may ask it for that tenant's quota here)."""
+        return _canon(salt)
+
+    async def write_tenants(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], tenants: Sequence[bytes | None]
+    ) -> int:
+        """:meth:`write`, each key stored on behalf of ``tenants[i]`` (a :meth:`tenant_key`, ``None`` for no
+        tenant). The default ignores the tenants."""
+        return await self.write(keys, payloads)
 
 
 def check_buffers(name: str, keys: Sequence[bytes], bufs: Sequence[memoryview], payload_bytes: int) -> None:

@@ -13,6 +13,7 @@ from .._errors import CapacityError, InvalidArgumentError, InvalidTypeError
 from .._hashing import _canon
 from ._index import BlockIndex
 from ._policies import EvictionPolicy, make_policy
+from ._quota import check_quota as _check_quota
 
 if TYPE_CHECKING:
     from .._layout import KVLayout
@@ -180,7 +181,7 @@ class CPUTier:
 
     def tenant_bytes(self, salt: object) -> int:
         """Bytes of this tier's slots held by entries of the tenant with ``salt`` (0 without quotas)."""
-        if self._index is None:
+        if self._index is None or not self.has_tenant_quotas:
             return 0
         return self._index.tenant_slots(_canon(salt)) * self.slot_bytes
 
@@ -234,15 +235,3 @@ class CPUTier:
 
     def __repr__(self) -> str:
         return f"CPUTier(capacity_bytes={self.capacity_bytes})"
-
-
-def _check_quota(quota: object, salt: object) -> int | None:
-    if quota is None:
-        return None
-    if isinstance(quota, bool) or not isinstance(quota, int):
-        raise InvalidTypeError(
-            f"tenant_quota_bytes for salt {salt!r} must be an int or None, got {type(quota).__name__}"
-        )
-    if quota < 0:
-        raise InvalidArgumentError(f"tenant_quota_bytes for salt {salt!r} must be >= 0, got {quota}")
-    return quota

@@ -55,7 +55,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -80,6 +80,7 @@ from ._format import (
 from ._index import BlockIndex
 from ._lanes import LanePool
 from ._policies import EvictionPolicy, make_policy
+from ._quota import TenantQuotas
 
 __all__ = ["DiskTier", "DiskTierStats"]
 
@@ -165,6 +166,9 @@ class DiskTierStats:
     reclaimed: int  # shared: slots taken over from writers that died mid-store (by every process)
     last_error: str | None
     reads_ahead_of_writes: int = 0  # read jobs an I/O thread took while write jobs were waiting (read lane)
+    dropped_quota: int = (
+        0  # blocks not stored: their tenant was at its quota with no entry of its own to evict
+    )
 
 
 class _Geometry:
@@ -438,6 +442,15 @@ class DiskTier(BackingTier):
     that stores cannot hit ENOSPC later. ``fsync=True`` makes every stored entry durable before it becomes
     visible (slower).
 
+    ``tenant_quota_bytes`` (a mapping of salt to bytes, or a callable ``salt -> bytes or None`` asked once per
+    tenant at its first ``open``; ``None`` for no limit), like :class:`~aiokv.CPUTier`'s: the entries
+    written for a tenant (a request's salt, handed over by the offloader's write-through) hold at most that
+    many bytes of segment files (``entry_bytes`` each); a write for a tenant at its quota evicts that
+    tenant's own first entry in the policy's order, never another tenant's, and with none evictable the
+    block is dropped (``dropped_quota``). The tenant is not stored on disk: entries recovered at ``open``
+    count for nobody, so a quota bounds what a tenant writes after the tier is opened. Not with
+    ``shared=True``.
+
     ``shared=False`` (the default): one process (one ``DiskTier``) owns the directory. ``shared=True``: any
     number of processes on this machine open it at once with ``shared=True`` and the same layout and
     ``capacity_bytes``; an entry stored by one is found by all, and eviction (least recently used within a
@@ -459,6 +472,7 @@ class DiskTier(BackingTier):
         preallocate: bool = True,
         fsync: bool = False,
         shared: bool = False,
+        tenant_quota_bytes: Mapping[object, int] | Callable[[object], int | None] | None = None,
     ) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -478,6 +492,13 @@ class DiskTier(BackingTier):
                 "eviction must be 'lru' when shared=True (the shared catalog evicts the least recently used "
                 f"entry of a block's set), got {eviction!r}"
             )
+        if tenant_quota_bytes is not None and shared:
+            raise InvalidArgumentError(
+                "tenant_quota_bytes cannot be used with shared=True (the shared catalog evicts by set, for "
+                "every process at once); use one DiskTier per process, or quotas in the CPU tier"
+            )
+        self.tenant_quota_bytes = tenant_quota_bytes
+        self._quotas = TenantQuotas(tenant_quota_bytes) if tenant_quota_bytes is not None else None
         self.path = Path(path)
         self.shared = shared
         self.capacity_bytes = capacity_bytes
@@ -525,6 +546,7 @@ class DiskTier(BackingTier):
                 "recovery_dropped",
                 "raced",
                 "dropped_busy",
+                "dropped_quota",
             ),
             0,
         )
@@ -580,6 +602,8 @@ class DiskTier(BackingTier):
                 f"got {self.capacity_bytes}"
             )
         index = BlockIndex(geo.num_slots, make_policy(self._eviction, geo.num_slots))
+        if self._quotas is not None:
+            index.set_tenant_quota(self._quotas.slots(geo.entry_bytes))
         self._opened = True
         loop = asyncio.get_running_loop()
         # Runs on the default executor: our pool does not exist yet and this is a one-off.
@@ -1137,9 +1161,44 @@ class DiskTier(BackingTier):
             if dropped and events is not None:
                 events.removed([key])
 
-    async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> int:
-        stored, _ = await self._store(keys, payloads, None)
+    async def write(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        *,
+        tenants: Sequence[bytes | None] | None = None,
+    ) -> int:
+        """Store ``payloads[i]`` under ``keys[i]``; ``tenants[i]`` (a :meth:`tenant_key`, or ``None``) is the
+        tenant its entry counts against when the tier has ``tenant_quota_bytes``."""
+        if tenants is not None and len(tenants) != len(keys):
+            raise InvalidArgumentError(
+                f"tenants must have one entry per key ({len(keys)}), got {len(tenants)}"
+            )
+        stored, _ = await self._store(keys, payloads, None, tenants)
         return stored
+
+    async def write_tenants(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], tenants: Sequence[bytes | None]
+    ) -> int:
+        return await self.write(keys, payloads, tenants=tenants)
+
+    @property
+    def has_tenant_quotas(self) -> bool:
+        return self._quotas is not None
+
+    def tenant_key(self, salt: object) -> bytes:
+        """The tenant a request with ``salt`` counts against (its canonical salt). With a callable
+        ``tenant_quota_bytes``, the first request of a tenant asks it for that tenant's quota."""
+        if self._quotas is None:
+            return super().tenant_key(salt)
+        return self._quotas.key(salt)
+
+    def tenant_bytes(self, salt: object) -> int:
+        """Bytes of segment files held by the entries written for the tenant with ``salt`` since the tier
+        was opened (0 without quotas)."""
+        if self._index is None or self._geo is None:
+            return 0
+        return self._index.tenant_slots(super().tenant_key(salt)) * self._geo.entry_bytes
 
     async def _write_damaged(
         self, keys: Sequence[bytes], payloads: Sequence[memoryview], damage: Sequence[Damage | None]
@@ -1151,7 +1210,11 @@ class DiskTier(BackingTier):
         return await self._store(keys, payloads, list(damage))
 
     async def _store(
-        self, keys: Sequence[bytes], payloads: Sequence[memoryview], damage: list[Damage | None] | None
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        damage: list[Damage | None] | None,
+        tenants: Sequence[bytes | None] | None = None,
     ) -> tuple[int, int]:
         live = self._live()
         check_buffers("payloads", keys, payloads, self._geometry().payload_bytes)
@@ -1162,7 +1225,9 @@ class DiskTier(BackingTier):
                 self._c["dropped_down"] += len(keys)
                 return 0, 0
         files, geo = live
-        plan = self._reserve_local(keys) if self._catalog is None else await self._reserve_shared(keys)
+        plan = (
+            self._reserve_local(keys, tenants) if self._catalog is None else await self._reserve_shared(keys)
+        )
         if plan is None:
             return 0, 0
         self._c["skipped_existing"] += plan.skipped
@@ -1231,18 +1296,28 @@ class DiskTier(BackingTier):
         self._seq += n
         return list(range(first, first + n))
 
-    def _reserve_local(self, keys: Sequence[bytes]) -> _StorePlan:
-        """Reserve a slot of this process's index for each key it does not hold (or is not writing) yet."""
+    def _reserve_local(
+        self, keys: Sequence[bytes], tenants: Sequence[bytes | None] | None = None
+    ) -> _StorePlan:
+        """Reserve a slot of this process's index for each key it does not hold (or is not writing) yet, for
+        ``tenants[i]`` when the tier has quotas."""
         index = self._local()
+        quotas = self._quotas
+        if quotas is None:
+            tenants = None
         plan = _StorePlan()
         for i, key in enumerate(keys):
             if index.state(key) is not None:
                 index.touch(key)
                 plan.skipped += 1
                 continue
-            slot = index.reserve(key)
+            tenant = tenants[i] if tenants is not None else None
+            slot = index.reserve(key, tenant=tenant)
             if slot is None:
-                self._c["dropped_no_room"] += 1
+                if tenant is not None and self._at_quota(index, tenant):
+                    self._c["dropped_quota"] += 1
+                else:
+                    self._c["dropped_no_room"] += 1
                 continue
             plan.indices.append(i)
             plan.slots.append(slot)
@@ -1251,6 +1326,12 @@ class DiskTier(BackingTier):
             self.kv_events.removed(evicted)
             evicted.clear()
         return plan
+
+    def _at_quota(self, index: BlockIndex, tenant: bytes) -> bool:
+        assert self._quotas is not None
+        assert self._geo is not None
+        limit = self._quotas.limit_bytes(tenant)
+        return limit is not None and index.tenant_slots(tenant) >= limit // self._geo.entry_bytes
 
     async def _reserve_shared(self, keys: Sequence[bytes]) -> _StorePlan | None:
         """Reserve slots in the shared catalog (under its lock); None when the lock was not free in time."""

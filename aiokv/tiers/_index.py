@@ -65,13 +65,16 @@ class BlockIndex:
         "_depth",
         "_evictions",
         "_free",
+        "_get_priority",
         "_keys",
         "_parent",
         "_pending",
         "_pinned",
         "_pins",
+        "_prio",
         "_quota",
         "_rejected",
+        "_set_priority",
         "_slots",
         "_state",
         "_tenant_of",
@@ -90,6 +93,11 @@ class BlockIndex:
         self._pins = array("I", bytes(4 * num_slots))
         self._parent: list[bytes | None] = [None] * num_slots
         self._depth = array("I", bytes(4 * num_slots))
+        # Each slot's priority, set at reserve and given to the policy at commit when it orders by priority
+        # (SessionPolicy.set_priority); other policies ignore it. -128..127 (the offloader allows -100..100).
+        self._prio = array("b", bytes(num_slots))
+        self._set_priority: Callable[[bytes, int], None] | None = getattr(policy, "set_priority", None)
+        self._get_priority: Callable[[bytes], int] = getattr(policy, "priority", lambda key: 0)
         # Hand out low slots first (pop from the end of a descending list): fresh tiers fill contiguously.
         self._free = array("I", range(num_slots - 1, -1, -1))  # 4 bytes per slot, no int objects
         self._evictions = 0
@@ -153,6 +161,24 @@ class BlockIndex:
             raise InvalidArgumentError("tenant quotas must be set before the first entry is reserved")
         self._quota = quota
         self._tenant_of = [None] * self.num_slots
+
+    def track_tenants(self) -> None:
+        """Record each entry's tenant (``reserve(..., tenant=)``, read back by :meth:`tenant`) without limiting
+        any: for the tiers below, which enforce their own quotas. Set it before the first reserve; a no-op
+        when quotas already record tenants."""
+        if self._tenant_of is not None:
+            return
+        if self._slots:
+            raise InvalidArgumentError("tenant tracking must be set before the first entry is reserved")
+        self._tenant_of = [None] * self.num_slots
+
+    def tenant(self, key: bytes) -> bytes | None:
+        """The tenant ``key``'s entry was reserved for (``None``: none, not tracked, or absent)."""
+        tenant_of = self._tenant_of
+        if tenant_of is None:
+            return None
+        slot = self._slots.get(key)
+        return None if slot is None else tenant_of[slot]
 
     def tenant_slots(self, tenant: bytes) -> int:
         """Slots (pending or ready) held by ``tenant``'s entries."""
@@ -224,18 +250,29 @@ class BlockIndex:
 
     # -------------------------------------------------------------- store path
     def reserve(
-        self, key: bytes, parent: bytes | None = None, depth: int = 0, tenant: bytes | None = None
+        self,
+        key: bytes,
+        parent: bytes | None = None,
+        depth: int = 0,
+        tenant: bytes | None = None,
+        priority: int = 0,
     ) -> int | None:
         """Allocate a slot for a new PENDING entry, evicting if needed.
 
-        Returns ``None`` when ``key`` is already present (it is touched instead), when every slot is pending
-        or pinned, or when ``tenant`` is at its quota and holds nothing evictable ("no room now" is a value,
-        not an exception).
+        Returns ``None`` when ``key`` is already present (it is touched instead, and its priority raised to
+        ``priority`` if lower), when every slot is pending or pinned, or when ``tenant`` is at its quota and
+        holds nothing evictable ("no room now" is a value, not an exception). ``priority`` (-128..127) is
+        handed to a policy with ``set_priority`` when the entry commits; other policies ignore it.
         """
         slots = self._slots
         if key in slots:
-            if self._state[slots[key]] == _READY:
+            slot = slots[key]
+            if self._state[slot] == _READY:
                 self.policy.touch(key)
+                if self._set_priority is not None and priority > self._get_priority(key):
+                    self._set_priority(key, priority)
+            elif priority > self._prio[slot]:
+                self._prio[slot] = priority
             return None
         if self._quota is not None and tenant is not None:
             limit = self._quota(tenant)
@@ -256,6 +293,7 @@ class BlockIndex:
         self._state[slot] = _PENDING
         self._parent[slot] = parent
         self._depth[slot] = depth
+        self._prio[slot] = priority
         self._pending += 1
         if self._tenant_of is not None and tenant is not None:
             self._tenant_of[slot] = tenant
@@ -269,6 +307,8 @@ class BlockIndex:
         self._state[slot] = _READY
         self._pending -= 1
         self.policy.insert(key, self._parent[slot], self._depth[slot])
+        if self._prio[slot] and self._set_priority is not None:
+            self._set_priority(key, self._prio[slot])
 
     def insert_ready(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> int | None:
         """reserve + commit in one call (for replay and for tiers whose writes are synchronous)."""

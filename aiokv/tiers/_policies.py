@@ -535,10 +535,15 @@ class SessionPolicy(EvictionPolicy):
       retention until ``seconds`` from now on ``clock``: while it lasts they are offered for eviction only after
       every block without it, in the same order among themselves. It is a priority, not a pin: a tier full of
       retained blocks still evicts.
+    - **Priority.** :meth:`set_priority` gives a resident block an integer priority (default 0; the offloader
+      sets the ``priority`` of the request that stored or staged it). Among blocks with the same retention
+      status, lower priorities are offered for eviction first, and blocks of one priority in the order above
+      (cold, then T1/T2). So the full order is: no retention before retention, then priority ascending, then
+      cold/T1/T2. Like retention it orders, it does not pin.
 
-    Only past accesses and the hints are used. O(1) per operation without retention (with retention,
-    eviction skips the retained blocks at the head of the order); the ghosts cost ``2 * ghost * capacity``
-    keys at most.
+    Only past accesses and the hints are used. O(1) per operation while no block has retention or a
+    non-zero priority (otherwise eviction skips the blocks that go later, one pass over the order per
+    retention status and priority level present); the ghosts cost ``2 * ghost * capacity`` keys at most.
     """
 
     name = "session"
@@ -574,6 +579,8 @@ class SessionPolicy(EvictionPolicy):
         self._now = clock
         self._retained: dict[bytes, float] = {}  # resident key -> deadline on ``clock``
         self._deadlines: list[tuple[float, bytes]] = []  # heap, for dropping expired retention
+        self._priority: dict[bytes, int] = {}  # resident key -> its priority, when not 0
+        self._levels: dict[int, int] = {}  # priority (not 0) -> how many resident keys have it
 
     def __repr__(self) -> str:
         return (
@@ -608,6 +615,29 @@ class SessionPolicy(EvictionPolicy):
             if key in stamp and retained.get(key, -math.inf) < deadline:
                 retained[key] = deadline
                 heapq.heappush(self._deadlines, (deadline, key))
+
+    def priority(self, key: bytes) -> int:
+        """The priority of ``key`` (0 for a block never given one, or not resident)."""
+        return self._priority.get(key, 0)
+
+    def set_priority(self, key: bytes, priority: int) -> None:
+        """Give the resident ``key`` ``priority``: among blocks with the same retention status, lower
+        priorities are evicted first (0 is every block's default). A key not resident is ignored."""
+        if key not in self._stamp:
+            return
+        self._drop_priority(key)
+        if priority:
+            self._priority[key] = priority
+            self._levels[priority] = self._levels.get(priority, 0) + 1
+
+    def _drop_priority(self, key: bytes) -> None:
+        old = self._priority.pop(key, 0)
+        if old:
+            levels = self._levels
+            if levels[old] == 1:
+                del levels[old]
+            else:
+                levels[old] -= 1
 
     def _expire(self) -> None:
         now = self._now()
@@ -669,6 +699,8 @@ class SessionPolicy(EvictionPolicy):
             return
         if self._retained:
             self._retained.pop(key, None)
+        if self._priority:
+            self._drop_priority(key)
         if key in self._t1:
             self._t1.pop(key)
             ghosts = self._b1
@@ -692,17 +724,23 @@ class SessionPolicy(EvictionPolicy):
         return self._stamp[h1] <= self._stamp[h2] + self.bonus
 
     def candidates(self) -> Iterator[bytes]:
-        if not self._retained:
+        if not self._retained and not self._priority:
             return self._candidates()
         now = self._now()
         retained = self._retained
+        prios = self._priority
+        levels = sorted({0, *self._levels})
 
-        def held(key: bytes) -> bool:
-            return retained.get(key, -math.inf) > now
+        def group(held: bool, level: int) -> Iterator[bytes]:
+            for k in self._candidates():
+                if (retained.get(k, -math.inf) > now) is held and prios.get(k, 0) == level:
+                    yield k
 
-        # Without retention first, then the retained blocks, each in the policy's order.
-        return itertools.chain(
-            (k for k in self._candidates() if not held(k)), (k for k in self._candidates() if held(k))
+        # Without retention first, then the retained blocks; within each, priority ascending; within each
+        # priority, the policy's order. Lazy: a caller stopping at the first victim pays only for the groups
+        # it went through.
+        return itertools.chain.from_iterable(
+            group(held, level) for held in ((False, True) if retained else (False,)) for level in levels
         )
 
     def _candidates(self) -> Iterator[bytes]:
@@ -718,9 +756,10 @@ class SessionPolicy(EvictionPolicy):
                 h2 = next(i2, None)
 
     def _pop_victim(self) -> bytes | None:
-        if self._retained:
-            self._expire()
+        if self._retained or self._priority:
             if self._retained:
+                self._expire()
+            if self._retained or self._priority:
                 for key in self.candidates():
                     self.remove(key, evicted=True)
                     return key

@@ -231,7 +231,9 @@ async def test_open_forwards_the_per_request_caps() -> None:
     eng = SimEngine(num_blocks=8)
 
     def engine(bridge: ThreadBridge, eng: SimEngine) -> aiokv.Request:
-        req = bridge.open("a", list(range(20)), max_store_tokens=8, max_load_tokens=4, store_decode=False)
+        req = bridge.open(
+            "a", list(range(20)), max_store_tokens=8, max_load_tokens=4, store_decode=False, priority=7
+        )
         handle = req.result(WAIT)
         inner = handle._req
         handle.abort().result(WAIT)
@@ -241,3 +243,4 @@ async def test_open_forwards_the_per_request_caps() -> None:
 
     inner = await _in_thread(engine, eng)
     assert (inner.max_store_tokens, inner.max_load_tokens, inner.store_decode) == (8, 4, False)
+    assert inner.priority == 7

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import aiokv
 from aiokv import CPUTier, Offloader
+from aiokv.tiers._disk import DiskTier
+from aiokv.tiers._format import HEADER_SIZE
 
 from ._sim import SimEngine
 from .test_request import _prefill_and_decode
@@ -94,3 +97,54 @@ async def test_a_callable_returning_a_bad_quota_is_refused_at_open() -> None:
         with pytest.raises(aiokv.InvalidArgumentError, match=r"tenant_quota_bytes for salt 'x' must be >= 0"):
             off.open("r", [1, 2, 3], salt="x")
         assert off.get("r") is None
+
+
+async def test_the_disk_tiers_quota_keeps_a_noisy_tenant_from_evicting_a_quiet_ones_entries(
+    tmp_path: Path,
+) -> None:
+    """CPU tier without quotas, a 16-entry disk tier where tenant "noisy" may hold 2 entries. "quiet" stores 3
+    blocks, "noisy" two prompts of 3 blocks each, each written through before the next request: on disk the
+    noisy tenant ends with its second prompt's first 2 blocks, and a fresh offloader over the same directory
+    finds every quiet block."""
+    eng = SimEngine(block_size=BS)
+    entry = (HEADER_SIZE + eng.layout.slot_bytes + 4095) // 4096 * 4096
+    quotas = {"noisy": 2 * entry}
+    pq, pn1, pn2 = list(range(12)), list(range(50, 62)), list(range(100, 112))
+    disk = DiskTier(tmp_path, 16 * entry, tenant_quota_bytes=quotas)
+    cpu = CPUTier(capacity_bytes=64 * eng.layout.slot_bytes)
+    async with Offloader(eng.layout, tiers=[cpu, disk]) as off:
+        for rid, prompt, salt in (("q", pq, "quiet"), ("n1", pn1, "noisy"), ("n2", pn2, "noisy")):
+            await _serve(eng, off, rid, prompt, salt)
+            await off.flush()
+        assert (disk.tenant_bytes("quiet"), disk.tenant_bytes("noisy")) == (3 * entry, 2 * entry)
+        assert cpu.tenant_bytes("noisy") == 0  # the CPU tier only records tenants for the disk tier
+        assert disk.stats().dropped_quota == 2
+        assert disk.stats().entries == 5
+    eng2 = SimEngine(block_size=BS)
+    disk2 = DiskTier(tmp_path, 16 * entry, tenant_quota_bytes=quotas)
+    async with Offloader(
+        eng2.layout, tiers=[CPUTier(capacity_bytes=64 * eng2.layout.slot_bytes), disk2]
+    ) as off2:
+        assert await _hit(off2, pq, "quiet") == 12
+        assert await _hit(off2, pn1, "noisy") == 0
+        assert await _hit(off2, pn2, "noisy") == 2 * BS
+
+
+async def test_a_disk_tiers_callable_quota_is_asked_at_open_and_a_bad_answer_refuses_the_request(
+    tmp_path: Path,
+) -> None:
+    eng = SimEngine(block_size=BS)
+    asked: list[object] = []
+
+    def quota(salt: object) -> object:
+        asked.append(salt)
+        return "lots" if salt == "bad" else None
+
+    disk = DiskTier(tmp_path, 1 << 20, tenant_quota_bytes=quota)  # type: ignore[arg-type]
+    async with Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=16 * eng.layout.slot_bytes), disk]) as off:
+        off.open("a", [1, 2, 3], salt="good")
+        with pytest.raises(aiokv.InvalidTypeError, match=r"tenant_quota_bytes for salt 'bad' must be an int"):
+            off.open("b", [1, 2, 3], salt="bad")
+        assert off.get("b") is None
+        off.open("c", [1, 2, 3], salt="good")
+        assert asked == ["good", "bad"]

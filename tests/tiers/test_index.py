@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from aiokv.tiers._index import BlockIndex, EntryState
-from aiokv.tiers._policies import ARCPolicy, make_policy
+from aiokv.tiers._policies import ARCPolicy, LRUPolicy, SessionPolicy, make_policy
 
 POLICIES = ["lru", "arc", "chain-lru", "session"]
 
@@ -404,3 +404,34 @@ class SessionIndexMachine(IndexMachine):
 
 TestSessionIndexMachine = SessionIndexMachine.TestCase
 TestSessionIndexMachine.settings = _SETTINGS
+
+
+def test_reserve_priority_reaches_the_session_policy_at_commit_and_a_restore_raises_it() -> None:
+    policy = SessionPolicy(8)
+    index = BlockIndex(3, policy)
+    for key, prio in ((k("a"), 5), (k("b"), 0), (k("c"), -2)):
+        index.reserve(key, priority=prio)
+    assert policy.priority(k("a")) == 0  # pending: not in the policy yet
+    for key in (k("a"), k("b"), k("c")):
+        index.commit(key)
+    assert list(policy.candidates()) == [k("c"), k("b"), k("a")]
+    assert index.reserve(k("c"), priority=1) is None  # stored again by a higher priority: raised
+    assert index.reserve(k("b"), priority=-5) is None  # never lowered
+    assert (policy.priority(k("b")), policy.priority(k("c"))) == (0, 1)
+    assert index.reserve(k("d"), priority=3) is not None  # full: evicts the lowest priority, b
+    assert k("b") not in index
+    assert index.state(k("b")) is None
+    assert index.reserve(k("d"), priority=9) is None  # pending: the raise is kept for the commit
+    index.commit(k("d"))
+    assert policy.priority(k("d")) == 9
+    index.check_invariants()
+
+
+def test_reserve_priority_is_ignored_by_a_policy_without_priorities() -> None:
+    index = BlockIndex(2, LRUPolicy())
+    index.reserve(k("a"), priority=50)
+    index.reserve(k("b"))
+    index.commit(k("a"))
+    index.commit(k("b"))
+    assert index.reserve(k("c"), priority=50) is not None
+    assert k("a") not in index  # LRU: the least recent, whatever its priority

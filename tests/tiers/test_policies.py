@@ -500,3 +500,86 @@ def test_session_retention_keeps_the_longer_deadline_and_dropped_keys_lose_it() 
     p.insert(a)
     assert order(p) == [b, a]  # a fresh insert, not retained
     assert p.retained() == []
+
+
+def test_session_lower_priority_blocks_go_first_then_the_usual_order() -> None:
+    p = SessionPolicy(8)
+    for key in (a, b, c, d):
+        p.insert(key)
+    p.set_priority(a, 5)
+    p.set_priority(c, -1)
+    p.set_priority(x, 9)  # x is not resident: ignored
+    assert (p.priority(a), p.priority(b), p.priority(c), p.priority(x)) == (5, 0, -1, 0)
+    assert order(p) == [c, b, d, a]
+    assert p._pop_victim() == c
+    assert evict(p) == b
+    p.set_priority(a, 0)  # back to the default: recency decides again
+    assert order(p) == [a, d]
+
+
+def test_session_retention_comes_before_priority() -> None:
+    """No retention before retention, then priority ascending, then the policy's order."""
+    clock = _Clock()
+    p = SessionPolicy(8, clock=clock)
+    for key in (a, b, c, d):
+        p.insert(key)
+    p.set_priority(a, 3)
+    p.set_priority(b, 3)
+    p.retain([c, b], 10.0)
+    assert order(p) == [d, a, c, b]
+    clock.now = 110.0  # retention is over: priority alone
+    assert order(p) == [c, d, a, b]
+    assert p._pop_victim() == c
+
+
+def test_session_priority_is_forgotten_with_the_block() -> None:
+    p = SessionPolicy(8)
+    p.insert(a)
+    p.insert(b)
+    p.set_priority(a, 7)
+    p.remove(a, evicted=False)
+    assert p.priority(a) == 0
+    assert p._levels == {}
+    p.insert(a)
+    assert order(p) == [b, a]  # recency: a is newer, and its old priority is gone
+    p.insert(c)
+    p.set_priority(b, 2)
+    assert evict(p) == a
+    assert p._pop_victim() == c
+    assert p._pop_victim() == b
+    assert (p._priority, p._levels) == ({}, {})
+
+
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["insert", "touch", "drop", "evict", "prio"]), st.integers(0, 9)),
+        max_size=80,
+    )
+)
+def test_session_with_priorities_pop_victim_is_the_first_candidate(ops: list[tuple[str, int]]) -> None:
+    """Under random operations with priorities: candidates() yields every resident key once, ordered by
+    priority, and _pop_victim() takes the first."""
+    p = SessionPolicy(4, step=0.5)
+    resident: set[bytes] = set()
+    for op, n in ops:
+        key = bytes([n])
+        if op == "insert" and key not in resident:
+            p.insert(key)
+            resident.add(key)
+        elif op == "touch":
+            p.touch(key)
+        elif op == "drop" and key in resident:
+            p.remove(key, evicted=False)
+            resident.discard(key)
+        elif op == "evict":
+            first = next(p.candidates(), None)
+            assert p._pop_victim() == first
+            resident.discard(first)  # type: ignore[arg-type]
+        elif op == "prio":
+            p.set_priority(key, n % 3 - 1)
+        listed = list(p.candidates())
+        assert set(listed) == resident
+        assert len(listed) == len(p)
+        prios = [p.priority(k) for k in listed]
+        assert prios == sorted(prios)
+        assert sum(p._levels.values()) == len(p._priority)
