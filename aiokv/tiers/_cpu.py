@@ -13,7 +13,7 @@ from .._errors import CapacityError, InvalidArgumentError, InvalidTypeError
 from .._hashing import _canon
 from ._index import BlockIndex
 from ._policies import EvictionPolicy, make_policy
-from ._quota import check_quota as _check_quota
+from ._quota import TenantQuotas
 
 if TYPE_CHECKING:
     from .._layout import KVLayout
@@ -97,19 +97,7 @@ class CPUTier:
         self.pinned = pinned
         # Tenant quotas: canonical salt -> bytes (a mapping, checked here), or a callable asked once per tenant.
         self.tenant_quota_bytes = tenant_quota_bytes
-        self._quota_fn: Callable[[object], int | None] | None = None
-        self._quota_bytes: dict[bytes, int | None] = {}
-        if tenant_quota_bytes is not None:
-            if isinstance(tenant_quota_bytes, Mapping):
-                for salt, quota in tenant_quota_bytes.items():
-                    self._quota_bytes[_canon(salt, "tenant_quota_bytes keys")] = _check_quota(quota, salt)
-            elif callable(tenant_quota_bytes):
-                self._quota_fn = tenant_quota_bytes
-            else:
-                raise InvalidTypeError(
-                    "tenant_quota_bytes must be a mapping of salt to bytes, a callable or None, got "
-                    f"{type(tenant_quota_bytes).__name__}"
-                )
+        self._quotas = TenantQuotas(tenant_quota_bytes) if tenant_quota_bytes is not None else None
         self._index: BlockIndex | None = None
         self._buffer: torch.Tensor | None = None
         self._device: DeviceBinding | None = None
@@ -158,14 +146,8 @@ class CPUTier:
         self._buffer = buffer
         self._index = BlockIndex(num_slots, policy)
         self.slot_bytes = slot_bytes
-        if self.tenant_quota_bytes is not None:
-            quotas = self._quota_bytes
-
-            def quota_slots(tenant: bytes) -> int | None:
-                q = quotas.get(tenant)
-                return None if q is None else q // slot_bytes
-
-            self._index.set_tenant_quota(quota_slots)
+        if self._quotas is not None:
+            self._index.set_tenant_quota(self._quotas.slots(slot_bytes))
 
     @property
     def has_tenant_quotas(self) -> bool:
@@ -174,10 +156,9 @@ class CPUTier:
     def tenant_key(self, salt: object) -> bytes:
         """The tenant a request with ``salt`` counts against (its canonical salt). With a callable
         ``tenant_quota_bytes``, the first request of a tenant asks it for that tenant's quota."""
-        key = _canon(salt)
-        if self._quota_fn is not None and key not in self._quota_bytes:
-            self._quota_bytes[key] = _check_quota(self._quota_fn(salt), salt)
-        return key
+        if self._quotas is None:
+            return _canon(salt)
+        return self._quotas.key(salt)
 
     def tenant_bytes(self, salt: object) -> int:
         """Bytes of this tier's slots held by entries of the tenant with ``salt`` (0 without quotas)."""
