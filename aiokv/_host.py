@@ -45,7 +45,7 @@ class RequestHost(Protocol):
 
     # ---------------------------------------------------------------- the CPU tier's index
     async def _lookup_and_pin(
-        self, keys: list[bytes], source: Any = None, tenant: bytes | None = None, priority: int = 0
+        self, keys: list[bytes], source: Any = None
     ) -> tuple[list[bytes], list[int]]: ...
 
     def _pin_ready(self, keys: Sequence[bytes]) -> list[int]: ...
@@ -63,8 +63,6 @@ class RequestHost(Protocol):
         blocks: list[int],
         mark: Any = None,
         source: Any = None,
-        tenant: bytes | None = None,
-        priority: int = 0,
     ) -> TransferFuture | None: ...
 
     def _store_one(
@@ -76,8 +74,6 @@ class RequestHost(Protocol):
         mark: Any = None,
         source: Any = None,
         num_tokens: int | None = None,
-        tenant: bytes | None = None,
-        priority: int = 0,
     ) -> TransferFuture | None: ...
 
     def _load_blocks(

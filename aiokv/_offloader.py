@@ -695,13 +695,12 @@ class Offloader:
         end: int,
         blocks: list[int],
         mark: Any = None,
-        source: Any = None,
-        tenant: bytes | None = None,
-        priority: int = 0,
+        source: Request | None = None,
     ) -> TransferFuture | None:
         """Reserve CPU slots for blocks ``start..end-1`` (engine blocks ``blocks[i]``, hashes ``chain[i]``) and
-        submit one store copy for them. ``source`` (the storing request) names the blocks' tenant and tokens
-        in KV events; ``tenant`` and ``priority`` are the request's quota key and eviction priority."""
+        submit one store copy for them. ``source`` (the storing request) gives the blocks' quota tenant and
+        eviction priority, and their tenant and tokens in KV events."""
+        tenant, priority = (None, 0) if source is None else (source._tenant, source.priority)
         index = self._index
         c = self._counters
         meta = self._ev_meta
@@ -737,11 +736,10 @@ class Offloader:
         depth: int,
         block_id: int,
         mark: Any = None,
-        source: Any = None,
+        source: Request | None = None,
         num_tokens: int | None = None,
-        tenant: bytes | None = None,
-        priority: int = 0,
     ) -> TransferFuture | None:
+        tenant, priority = (None, 0) if source is None else (source._tenant, source.priority)
         slot = self._index.reserve(key, parent, depth, tenant, priority)
         if self._ev_meta is not None:
             if slot is not None:
@@ -856,7 +854,7 @@ class Offloader:
         return self._index.pin_prefix(keys)
 
     async def _lookup_and_pin(
-        self, keys: list[bytes], source: Any = None, tenant: bytes | None = None, priority: int = 0
+        self, keys: list[bytes], source: Request | None = None
     ) -> tuple[list[bytes], list[int]]:
         """Pin the longest prefix of ``keys`` available across all tiers; return its keys and CPU slots.
 
@@ -889,7 +887,7 @@ class Offloader:
                     break  # keys[pos] is pending in the CPU tier (being stored or staged)
                 ahead_slots = index.pin_prefix(keys[end:])
                 ahead = keys[end : end + len(ahead_slots)]
-                got_keys, got_slots = await self._stage_run(keys, pos, end, source, tenant, priority)
+                got_keys, got_slots = await self._stage_run(keys, pos, end, source)
                 pinned.extend(got_keys)
                 slots.extend(got_slots)
                 if len(got_keys) < end - pos:
@@ -915,9 +913,7 @@ class Offloader:
         keys: list[bytes],
         start: int,
         end: int,
-        source: Any = None,
-        tenant: bytes | None = None,
-        priority: int = 0,
+        source: Request | None = None,
     ) -> tuple[list[bytes], list[int]]:
         """Stage ``keys[start:end]`` (all missing from the CPU tier) from the lower tiers, fastest first; return
         the pinned prefix that arrived."""
@@ -932,7 +928,7 @@ class Offloader:
                 name = self._tier_names[ti]
                 if not planner.worth_asking(name, end - pos):
                     continue  # no run this tier could hold would restore faster than it recomputes
-                k, s = await self._stage(tier, name, keys, pos, end, source, tenant, priority)
+                k, s = await self._stage(tier, name, keys, pos, end, source)
                 if not k:
                     continue
                 got_keys.extend(k)
@@ -955,9 +951,7 @@ class Offloader:
         keys: list[bytes],
         start: int,
         end: int,
-        source: Any = None,
-        tenant: bytes | None = None,
-        priority: int = 0,
+        source: Request | None = None,
     ) -> tuple[list[bytes], list[int]]:
         """Copy the run of ``keys[start:end]`` held by ``tier`` into fresh CPU slots; pin and return the
         verified prefix. A tier that fails (or raises) yields a miss from the failing block on; so does one
@@ -969,6 +963,7 @@ class Offloader:
         rest = keys[start:end]
         started = self._cost_clock()
         deadline = None if self._lower_tier_deadline is None else self.loop.time() + self._lower_tier_deadline
+        tenant, priority = (None, 0) if source is None else (source._tenant, source.priority)
         try:
             n = await self._tier_lookup(tier, rest, deadline)
         except Exception as exc:

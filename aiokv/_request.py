@@ -755,9 +755,7 @@ class Request:
             return
         # What _guarded() does, inline: this runs for every stored block of every request.
         try:
-            tf = self._off._store_blocks(
-                self._chain(end), start, end, blocks, mark, self, self._tenant, self.priority
-            )
+            tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark, self)
         except Exception as exc:
             self._off._store_not_submitted(self.request_id, exc)
             return
@@ -809,9 +807,7 @@ class Request:
     def _do_store_partial(self, index: int, block_id: int, k: int, mark: Any) -> None:
         bs = self._off.block_size
         key = partial_block_hash(self._parent(index), self.token_ids[index * bs : index * bs + k])
-        tf = self._off._store_one(
-            key, self._parent(index), index, block_id, mark, self, k, self._tenant, self.priority
-        )
+        tf = self._off._store_one(key, self._parent(index), index, block_id, mark, self, k)
         if tf is not None:
             self._track(tf)
 
@@ -824,7 +820,7 @@ class Request:
         if max_blocks * bs > load_cap:  # max_load_tokens
             max_blocks = load_cap // bs
         keys = self._chain(max_blocks)[:max_blocks]
-        pinned, slots = await off._lookup_and_pin(keys, self, self._tenant, self.priority)
+        pinned, slots = await off._lookup_and_pin(keys, self)
         hit = len(pinned)
         partial = 0
         if off.store_partial_last_block:
