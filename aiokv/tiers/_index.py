@@ -199,10 +199,7 @@ class BlockIndex:
         if victim is None:
             return False
         self.policy.remove(victim, evicted=True)
-        self._release(victim, slots[victim])
-        self._evictions += 1
-        if self.on_evict is not None:
-            self.on_evict.append(victim)
+        self._evicted(victim, slots[victim])
         return True
 
     # ------------------------------------------------------------ lookup / pins
@@ -370,6 +367,14 @@ class BlockIndex:
         self._state[slot] = _FREE
         self._free.append(slot)
 
+    def _evicted(self, victim: bytes, slot: int) -> None:
+        """``victim`` (already out of the policy) leaves the index: its slot is free, the eviction counted and
+        reported to ``on_evict``."""
+        self._release(victim, slot)
+        self._evictions += 1
+        if self.on_evict is not None:
+            self.on_evict.append(victim)
+
     def _evict_one(self) -> bool:
         slots = self._slots
         if self._pinned == 0:  # every candidate is evictable: the policy pops its first one
@@ -386,10 +391,7 @@ class BlockIndex:
             if victim is None:
                 return False
             self.policy.remove(victim, evicted=True)
-        self._release(victim, slots[victim])
-        self._evictions += 1
-        if self.on_evict is not None:
-            self.on_evict.append(victim)
+        self._evicted(victim, slots[victim])
         return True
 
     # ------------------------------------------------------- whole-chain fast path (replay)
