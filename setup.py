@@ -1,7 +1,8 @@
-"""Build hook for the optional native copy kernel (aiokv._native._copy).
+"""Build hook for the optional native helpers: the copy kernel (aiokv._native._copy) and the C fast path of
+Request.step (aiokv._native._step).
 
-Everything else lives in pyproject.toml. The extension is optional: when no C compiler is available aiokv
-falls back to a numpy per-block loop (slower for small blocks, same results).
+Everything else lives in pyproject.toml. Both extensions are optional: when no C compiler is available aiokv
+falls back to a numpy per-block copy loop and to the Python step method (slower, same results).
 """
 
 from setuptools import Extension, setup
@@ -13,6 +14,12 @@ setup(
             sources=["aiokv/_native/_copy.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "aiokv._native._step",
+            sources=["aiokv/_native/_step.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import os
 import threading
 import warnings
 from collections import deque
@@ -184,6 +185,7 @@ class Request:
         "_abort_requested",
         "_block_set",
         "_blocks",
+        "_bs",
         "_epoch",
         "_events",
         "_failed_epoch",
@@ -192,6 +194,7 @@ class Request:
         "_in_flight",
         "_load_cap",
         "_load_ticket",
+        "_nblk",
         "_off",
         "_partial",
         "_pinned",
@@ -204,6 +207,7 @@ class Request:
         "_task",
         "_task_ended",
         "_tenant",
+        "_tid",
         "_waiter",
         "extra_keys",
         "max_load_tokens",
@@ -233,6 +237,11 @@ class Request:
         priority: int = 0,
     ) -> None:
         self._off = off
+        # The owner's loop thread and layout, read by every step (here, and by the C fast path in
+        # aiokv/_native/_step.c): fixed once the offloader runs, which open() requires.
+        self._tid = off._thread
+        self._bs = off.block_size
+        self._nblk = off._num_blocks
         self.priority = priority  # eviction priority of the blocks it stores or stages (CPU tier)
         self._retain_s = retain_s
         self._tenant = tenant  # the CPU tier's quota key (canonical salt) when it has tenant quotas
@@ -369,9 +378,8 @@ class Request:
         # The hot path of every engine step: a running request fed plain ``int`` lists or tuples that pass
         # every check is updated inline; anything else (numpy, tensors, int-likes, other states, any doubt)
         # goes to _apply_step_general, which decides it the usual way and raises the usual errors.
-        off = self._off
-        if _get_ident() != off._thread:
-            raise off._wrong_thread("step")
+        if _get_ident() != self._tid:
+            raise self._off._wrong_thread("step")
         n, toks, ids = num_computed_tokens, new_token_ids, new_block_ids
         tk, ik = type(toks), type(ids)
         if (
@@ -391,12 +399,12 @@ class Request:
                 return self._apply_step_general(n, toks, ids)
         elif nt and not all(type(t) is int and _I64_MIN <= t <= _I64_MAX for t in toks):
             return self._apply_step_general(n, toks, ids)
-        bs = off.block_size
+        bs = self._bs
         token_ids = self.token_ids
         blocks = self._blocks
         if ids:
             held = self._block_set
-            num_blocks = off._num_blocks
+            num_blocks = self._nblk
             if (
                 not all(type(b) is int and 0 <= b < num_blocks and b not in held for b in ids)
                 or (len(ids) > 1 and len(set(ids)) != len(ids))
@@ -415,11 +423,16 @@ class Request:
         upto = self._stored_upto
         if full > upto:
             self._stored_upto = full
-            # The KV of this step may still be queued on the compute stream: the store waits for this point.
-            self._queue_store(
-                (upto, full, blocks, off._mark() if off._device is not None else None, self._epoch)
-            )
+            self._step_store(upto, full)
         return None
+
+    def _step_store(self, upto: int, full: int) -> None:
+        """A step completed blocks ``upto..full-1`` (``_stored_upto`` is already ``full``): queue their store."""
+        off = self._off
+        # The KV of this step may still be queued on the compute stream: the store waits for this point.
+        self._queue_store(
+            (upto, full, self._blocks, off._mark() if off._device is not None else None, self._epoch)
+        )
 
     def _apply_step_general(self, num_computed_tokens: Any, new_token_ids: Any, new_block_ids: Any) -> None:
         """Every step the fast path did not take: validates everything before changing anything (a rejected
@@ -916,6 +929,15 @@ def step_batch(off: RequestHost, updates: Iterable[StepUpdate]) -> None:
     """:meth:`Request.step` for many requests in one call (see :meth:`aiokv.Offloader.step_batch`): each
     update is checked for its shape and its request's offloader, then applied by that request's ``step()``,
     so the two cannot disagree."""
+    if _native_step is not None:
+        _native_step.step_batch(off, updates, _step_batch_py)
+    else:
+        _step_batch_py(off, updates)
+
+
+def _step_batch_py(off: RequestHost, updates: Iterable[StepUpdate]) -> None:
+    """step_batch in Python: the definition (the C path of aiokv/_native/_step.c calls it for every update it
+    does not take itself, and for every batch that is not a list or tuple)."""
     if _get_ident() != off._thread:
         raise off._wrong_thread("step_batch")
     if isinstance(updates, (str, bytes)) or not isinstance(updates, Iterable):
@@ -936,3 +958,22 @@ def step_batch(off: RequestHost, updates: Iterable[StepUpdate]) -> None:
                     f"updates must name requests of this offloader, got request {req.request_id!r} of another"
                 )
         req.step(n, toks, ids)
+
+
+def _load_native_step() -> Any:
+    """The C fast path of ``Request.step`` and ``step_batch`` (aiokv/_native/_step.c), unless it is not built
+    or ``AIOKV_NATIVE_STEP=0``. It takes the common case (a running request fed exact ints that pass every
+    check) and hands everything else to the Python method, which stays the definition."""
+    if os.environ.get("AIOKV_NATIVE_STEP", "1") == "0":
+        return None
+    try:
+        from ._native import _step
+    except ImportError:
+        return None
+    _step.configure(Request, RequestState.RUNNING)
+    return _step
+
+
+_native_step = _load_native_step()
+if _native_step is not None:
+    Request.step = _native_step.StepMethod(Request.step)  # type: ignore[method-assign]

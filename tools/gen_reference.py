@@ -83,6 +83,8 @@ def _render_module(lines: list[str], module: object, names: list[str], prefix: s
                     if _doc(member):
                         lines += [f"- **`{attr}`** (property): {_doc(member).splitlines()[0]}"]
                     continue
+                if inspect.isfunction(getattr(member, "__wrapped__", None)) and not inspect.isfunction(member):
+                    member = member.__wrapped__  # a C-accelerated method (Request.step): document the Python one
                 if inspect.isfunction(member) and _doc(member):
                     asyncness = "async " if inspect.iscoroutinefunction(member) else ""
                     lines += [f"### `{asyncness}{name}.{attr}{_sig(member)}`", "", _doc(member), ""]

@@ -19,6 +19,7 @@ import torch
 
 import aiokv
 from aiokv import CPUTier, InvalidArgumentError, InvalidTypeError, Offloader, RequestStateError
+from aiokv._request import _step_batch_py
 
 from ._sim import SimEngine
 
@@ -103,12 +104,31 @@ class _Driver:
         return n, toks, ids
 
 
+_PY_STEP = getattr(aiokv.Request.step, "__wrapped__", aiokv.Request.step)  # the Python method, C path or not
+
+
+def _apply(off: Offloader, how: str, ups: Sequence[tuple[Any, ...]]) -> None:
+    """Apply a batch of updates the way ``how`` says, stopping at the first error as a batch does."""
+    if how == "step_batch":  # the C path of step_batch when built
+        off.step_batch(ups)
+    elif how == "step_batch_py":
+        _step_batch_py(off, ups)
+    else:
+        for req, n, toks, ids in ups:
+            if how == "step":  # the C path of step() when built
+                req.step(n, toks, ids)
+            else:  # "step_py": the Python inline path, whatever is built
+                _PY_STEP(req, n, toks, ids)
+
+
+@pytest.mark.parametrize("how", ["step_batch", "step_batch_py", "step", "step_py"])
 @pytest.mark.parametrize("seed", range(8))
-async def test_step_batch_and_the_inline_path_behave_like_the_general_path(seed: int) -> None:
+async def test_step_batch_and_the_inline_path_behave_like_the_general_path(seed: int, how: str) -> None:
     """Two offloaders, the same seeded schedule of valid and invalid updates for 8 requests: one applies each
     batch through the general path only (validate, then apply; stopping at the first error, as a batch does),
-    the other with step_batch() (step(), inline path where it applies). Every error, every request's state and
-    every stored block must be the same."""
+    the other through ``how``: step_batch() or step() (their C fast path when the extension is built), or the
+    Python implementations of both (the definition, and what runs without a compiler). Every error, every
+    request's state and every stored block must be the same."""
     rng_a, rng_b = random.Random(seed), random.Random(seed)
     eng_a, eng_b = SimEngine(block_size=BS, num_blocks=256), SimEngine(block_size=BS, num_blocks=256)
     prompts = [[random.Random(seed * 100 + i).randrange(50) for _ in range(3 + 5 * i)] for i in range(8)]
@@ -128,7 +148,7 @@ async def test_step_batch_and_the_inline_path_behave_like_the_general_path(seed:
                     req._apply_step_general(n, toks, ids)  # the reference: never the inline path
 
             err_a = _error(per_update)
-            err_b = _error(lambda ups=ups_b: off_b.step_batch(ups))
+            err_b = _error(lambda ups=ups_b: _apply(off_b, how, ups))
             assert err_a == err_b
             errors += err_a is not None
             for ra, rb in zip(reqs_a, reqs_b, strict=True):

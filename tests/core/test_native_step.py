@@ -1,0 +1,183 @@
+"""The C fast path of ``Request.step`` and ``Offloader.step_batch`` (aiokv/_native/_step.c).
+
+It accelerates the Python method, which stays the definition: test_step_batch.py drives both with the same
+seeded schedules and compares them with the general path. These tests pin what those schedules do not reach:
+that the C path is really taken (else the comparison proves nothing), the cases it must hand back (aliasing,
+many new blocks, other threads, int-likes), and that ``AIOKV_NATIVE_STEP=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiokv
+from aiokv import CPUTier, Offloader
+from aiokv._request import _native_step
+
+from ._sim import SimEngine
+
+BS = 4
+needs_native = pytest.mark.skipif(
+    _native_step is None, reason="aiokv._native._step is not built (no C compiler at install time)"
+)
+
+
+def _offloader(eng: SimEngine) -> Offloader:
+    return Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=64 * eng.layout.slot_bytes)])
+
+
+def _python_step_calls(call: Callable[[], Any]) -> int:
+    """How many times ``call()`` entered the Python ``Request.step``."""
+    code = aiokv.Request.step.__wrapped__.__code__  # type: ignore[attr-defined]
+    calls = 0
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code is code:
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@needs_native
+@pytest.mark.asyncio
+async def test_plain_steps_take_the_c_path_and_anything_else_the_python_method() -> None:
+    eng = SimEngine(block_size=BS)
+    async with _offloader(eng) as off:
+        r = off.open("r", [1, 2, 3])
+        assert _python_step_calls(lambda: r.step(2, [], [5])) == 1  # waiting: the Python method decides
+        assert _python_step_calls(lambda: r.step(3, [4], ())) == 0  # running, plain ints: C
+        assert _python_step_calls(lambda: r.step(4, (5,), (6,))) == 0
+        assert _python_step_calls(lambda: off.step_batch([(r, 5, [6], [])])) == 0
+        assert _python_step_calls(lambda: r.step(6, [np.int64(7)], [])) == 1
+        assert _python_step_calls(lambda: r.step(7, np.array([8]), [])) == 1
+        assert _python_step_calls(lambda: r.step(8, [9], [7])) == 0
+        assert r.num_computed_tokens == 8
+        assert list(r.token_ids) == list(range(1, 10))
+        assert r.block_ids == (5, 6, 7)
+        await r.finish()
+        assert off.stats().blocks_stored == 2  # tokens 1..8: two full blocks of 4
+
+
+@needs_native
+@pytest.mark.asyncio
+async def test_a_rejected_step_on_the_c_path_raises_the_python_error_and_changes_nothing() -> None:
+    eng = SimEngine(block_size=BS)
+    async with _offloader(eng) as off:
+        r = off.open("r", [1, 2, 3])
+        r.step(3, [4], [0])
+        before = (list(r.token_ids), r.block_ids, r.num_computed_tokens)
+        cases: list[tuple[tuple[Any, ...], type[BaseException], str]] = [
+            ((2, [5], []), aiokv.InvalidArgumentError, "must not decrease"),
+            ((6, [5], []), aiokv.InvalidArgumentError, r"known tokens \(5\)"),
+            ((5, [5], []), aiokv.InvalidArgumentError, "fit in the request's 1 blocks"),
+            ((5, [5], [0]), aiokv.InvalidArgumentError, "must not repeat a block the request holds"),
+            ((5, [5], [1, 1]), aiokv.InvalidArgumentError, "must not repeat|duplicate"),
+            ((5, [5], [eng.layout.num_blocks]), aiokv.BlockRangeError, "new_block_ids"),
+            ((5, [5], [-1]), aiokv.BlockRangeError, "new_block_ids"),
+            ((5, [True], [1]), aiokv.InvalidTypeError, "new_token_ids"),
+            ((5, [1 << 63], [1]), aiokv.InvalidArgumentError, "int64"),
+            ((1 << 70, [5], [1]), aiokv.InvalidArgumentError, "known tokens"),
+            ((4.0, [5], [1]), aiokv.InvalidTypeError, "num_computed_tokens must be an int"),
+        ]
+        for args, exc, match in cases:
+            with pytest.raises(exc, match=match):
+                r.step(*args)
+            assert (list(r.token_ids), r.block_ids, r.num_computed_tokens) == before, args
+        await r.finish()
+
+
+@pytest.mark.asyncio
+async def test_lists_aliasing_the_requests_own_are_applied_like_the_python_method() -> None:
+    """A token list that is the request's own token list (or a block list that is its own table) would be
+    read while it grows: the C path hands it to the Python method, whatever it then decides."""
+    py_step = getattr(aiokv.Request.step, "__wrapped__", aiokv.Request.step)
+    results = []
+    for step in (aiokv.Request.step, py_step):
+        eng = SimEngine(block_size=BS)
+        async with _offloader(eng) as off:
+            r = off.open("r", [1, 2])
+            r.step(2, [3], [0, 1])
+            step(r, 3, r.token_ids, [])
+            err = None
+            try:
+                step(r, 3, [], r._blocks)
+            except aiokv.AiokvError as exc:
+                err = type(exc)
+            results.append((list(r.token_ids), r.block_ids, r.num_computed_tokens, err))
+            await r.finish()
+    assert results[0] == results[1]
+    assert results[0][0] == [1, 2, 3, 1, 2, 3]
+    assert results[0][3] is aiokv.InvalidArgumentError
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_bringing_many_new_blocks_is_applied_and_stored() -> None:
+    """More new blocks than the C path checks pairwise (32) go to the Python method: same result."""
+    eng = SimEngine(block_size=BS, num_blocks=128)
+    prompt = list(range(100, 100 + 40 * BS + 1))
+    async with _offloader(eng) as off:
+        r = off.open("r", prompt)
+        blocks = list(range(41))
+        r.step(len(prompt), [7], blocks)
+        assert r.block_ids == tuple(blocks)
+        await r.finish()
+        assert off.stats().blocks_stored == 40
+
+
+@pytest.mark.asyncio
+async def test_step_from_another_thread_is_refused_and_changes_nothing() -> None:
+    eng = SimEngine(block_size=BS)
+    async with _offloader(eng) as off:
+        r = off.open("r", [1, 2, 3])
+        r.step(3, [4], [0])
+        caught: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                r.step(4, [5], [])
+            except BaseException as exc:
+                caught.append(exc)
+
+        t = threading.Thread(target=call)
+        t.start()
+        t.join()
+        assert len(caught) == 1
+        assert isinstance(caught[0], aiokv.WrongThreadError)
+        assert r.num_computed_tokens == 3
+        await r.finish()
+
+
+def test_the_environment_variable_turns_the_c_path_off() -> None:
+    code = "import aiokv._request as r; print(r._native_step is None, hasattr(r.Request.step, '__wrapped__'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"AIOKV_NATIVE_STEP": "0", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == ["True", "False"]
+
+
+@needs_native
+def test_the_method_keeps_the_python_methods_signature_and_documentation() -> None:
+    import inspect
+
+    step = aiokv.Request.step
+    assert step.__doc__ == step.__wrapped__.__doc__  # type: ignore[attr-defined]
+    params = list(inspect.signature(step).parameters)
+    assert params == ["self", "num_computed_tokens", "new_token_ids", "new_block_ids"]
+    assert step.__name__ == "step"
