@@ -1,7 +1,8 @@
-"""Build hook for the optional native copy kernel (aiokv._native._copy).
+"""Build hook for the optional native extensions: the copy kernel (aiokv._native._copy) and chained block
+hashing (aiokv._native._sha).
 
-Everything else lives in pyproject.toml. The extension is optional: when no C compiler is available aiokv
-falls back to a numpy per-block loop (slower for small blocks, same results).
+Everything else lives in pyproject.toml. Both extensions are optional: when no C compiler is available aiokv
+falls back to a numpy per-block loop for copies and to hashlib for hashes (slower, same results).
 """
 
 from setuptools import Extension, setup
@@ -13,6 +14,12 @@ setup(
             sources=["aiokv/_native/_copy.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "aiokv._native._sha",
+            sources=["aiokv/_native/_sha.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )
