@@ -4,16 +4,27 @@ A block's hash commits to every token before it (the previous block's hash is ch
 salt (tenant) and extra keys, and to a *root* that fingerprints the KV layout and the model, so caches of
 incompatible layouts can never match. Hashes are sha256 over canonical bytes; they never use Python's
 ``hash()`` and are therefore identical across processes and ``PYTHONHASHSEED`` values.
+
+The per-block chain runs in C (``aiokv._native._sha``, SHA-256 with the CPU's SHA extensions where present)
+when the extension is built, and with struct and hashlib otherwise; both produce the same bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import operator
+import os
 import struct
 from collections.abc import Iterable, Sequence
 
 from ._errors import InvalidArgumentError, InvalidTypeError
+
+try:
+    from ._native._sha import chain_hashes as _native_chain
+except ImportError:  # pragma: no cover - built without a C compiler
+    _native_chain = None  # type: ignore[assignment]
+if os.environ.get("AIOKV_NATIVE_HASH", "1") == "0":  # hashlib only (to compare, or to rule the C path out)
+    _native_chain = None  # type: ignore[assignment]
 
 __all__ = ["NONE_ROOT", "block_hashes", "chain_seed", "make_root", "partial_block_hash"]
 
@@ -127,6 +138,30 @@ def chain_hashes(prev: bytes, token_ids: Sequence[int], block_size: int, n_full:
     """The hashes of the first ``n_full`` blocks of ``token_ids``, chained after ``prev``. Arguments are not
     validated (callers did: ints in the int64 range, ``n_full * block_size <= len(token_ids)``); this is the
     per-block hot path of :func:`block_hashes` and of a request's incremental chain."""
+    if _native_chain is not None:
+        try:
+            return _native_chain(prev, token_ids, 0, block_size, n_full)
+        except (TypeError, OverflowError):
+            # Not a list or tuple of ints in the int64 range: hashlib's path accepts int-likes (numpy
+            # integers, other sequences) and raises struct.error for the rest, as it always did.
+            pass
+    return _chain_py(prev, token_ids, block_size, n_full)
+
+
+def chain_hashes_from(
+    prev: bytes, token_ids: Sequence[int], start: int, block_size: int, n_blocks: int
+) -> list[bytes]:
+    """:func:`chain_hashes` of ``token_ids[start : start + n_blocks * block_size]`` without copying the slice
+    when the native hasher reads ``token_ids`` in place (a request's growing token list)."""
+    if _native_chain is not None:
+        try:
+            return _native_chain(prev, token_ids, start, block_size, n_blocks)
+        except (TypeError, OverflowError):
+            pass  # as in chain_hashes
+    return _chain_py(prev, token_ids[start : start + n_blocks * block_size], block_size, n_blocks)
+
+
+def _chain_py(prev: bytes, token_ids: Sequence[int], block_size: int, n_full: int) -> list[bytes]:
     packer = _PACKERS.get(block_size)
     if packer is None:
         packer = _PACKERS[block_size] = struct.Struct(f"<{block_size}q")

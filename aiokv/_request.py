@@ -29,7 +29,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ClosedError, InvalidArgumentError, InvalidTypeError, RequestStateError, TransferError
-from ._hashing import _I64_MAX, _I64_MIN, chain_hashes, chain_seed, check_token_ids, partial_block_hash
+from ._hashing import _I64_MAX, _I64_MIN, chain_hashes_from, chain_seed, check_token_ids, partial_block_hash
 from .transfer._future import TransferFuture, resolve
 
 if TYPE_CHECKING:
@@ -635,7 +635,7 @@ class Request:
             bs = self._off.block_size
             # Token ids were validated by open() and step(): the unchecked hot path is safe here.
             prev = hashes[-1] if hashes else self._parent(0)
-            hashes.extend(chain_hashes(prev, self.token_ids[have * bs : n_blocks * bs], bs, n_blocks - have))
+            hashes.extend(chain_hashes_from(prev, self.token_ids, have * bs, bs, n_blocks - have))
         return hashes
 
     async def _run(self) -> None:

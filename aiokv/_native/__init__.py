@@ -1,1 +1,1 @@
-"""Optional native helpers (the batched memcpy kernel)."""
+"""Optional native helpers (the batched memcpy kernel, chained block hashing)."""
