@@ -92,8 +92,9 @@ static int fast_step(PyObject *req, PyObject *n, PyObject *toks, PyObject *ids) 
     if (token_ids == NULL || !PyList_CheckExact(token_ids) || blocks == NULL || !PyList_CheckExact(blocks) ||
         held == NULL || !PySet_CheckExact(held))
         return 0;
-    /* Appending a list to itself would move the items being read. */
-    if (toks == token_ids || ids == blocks) return 0;
+    /* The new tokens or blocks being one of the lists they are appended to (or one appended to first) would
+     * move the items while they are read. */
+    if (toks == token_ids || toks == blocks || ids == token_ids || ids == blocks) return 0;
 
     Py_ssize_t nt = PySequence_Fast_GET_SIZE(toks), ni = PySequence_Fast_GET_SIZE(ids);
     PyObject **tok_items = PySequence_Fast_ITEMS(toks), **id_items = PySequence_Fast_ITEMS(ids);
