@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import gc
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -144,16 +145,23 @@ class GCClock:
         self.charging = False
         self.wall = 0.0
         self.cpu = 0.0
-        self._start = (0.0, 0.0)
+        self._loop_thread = threading.get_ident()
+        self._starts: dict[int, tuple[float, float]] = {}
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if not self.charging:
-            return
+        # A collection may run on aiokv's copy threads too (they allocate): it holds the GIL, so it stops the
+        # loop thread as well, and its wall time is charged; only the loop thread's own CPU time is.
+        # Start and stop are paired per thread: the GIL may pass between a start callback and its collection.
+        tid = threading.get_ident()
         if phase == "start":
-            self._start = (time.perf_counter(), time.thread_time())
-        else:
-            self.wall += time.perf_counter() - self._start[0]
-            self.cpu += time.thread_time() - self._start[1]
+            if self.charging:
+                self._starts[tid] = (time.perf_counter(), time.thread_time())
+            return
+        start = self._starts.pop(tid, None)
+        if start is not None:
+            self.wall += time.perf_counter() - start[0]
+            if tid == self._loop_thread:
+                self.cpu += time.thread_time() - start[1]
 
     def __enter__(self) -> GCClock:
         gc.callbacks.append(self)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,7 +381,7 @@ WEIGHTS = st.sampled_from(
 
 
 @settings(
-    max_examples=25,
+    max_examples=int(os.environ.get("AIOKV_FUZZ_EXAMPLES", "25")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
