@@ -7,7 +7,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: venv demo test test-fast bench lint format docs clean
 
-$(STAMP): pyproject.toml setup.py constraints.txt aiokv/_native/_copy.c aiokv/_native/_sha.c aiokv/_native/_step.c
+$(STAMP): pyproject.toml setup.py constraints.txt aiokv/_native/_copy.c aiokv/_native/_lru.c aiokv/_native/_sha.c aiokv/_native/_step.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -c constraints.txt "setuptools>=68" wheel
 	$(PIP) install -c constraints.txt --no-build-isolation -e ".[test,fast,redis,cli,plot,serve,events,dev]"

@@ -1,9 +1,10 @@
 """Build hook for the optional native extensions: the copy kernel (aiokv._native._copy), chained block hashing
-(aiokv._native._sha) and the C fast path of Request.step (aiokv._native._step).
+(aiokv._native._sha), the C fast path of Request.step (aiokv._native._step) and the block index's LRU replay
+loops (aiokv._native._lru).
 
-Everything else lives in pyproject.toml. All three are optional: when no C compiler is available aiokv falls
-back to a numpy per-block loop for copies, to hashlib for hashes and to the Python step method (slower, same
-results).
+Everything else lives in pyproject.toml. All four are optional: when no C compiler is available aiokv falls
+back to a numpy per-block loop for copies, to hashlib for hashes and to the Python methods for the rest
+(slower, same results).
 """
 
 from setuptools import Extension, setup
@@ -16,6 +17,6 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         )
-        for name in ("_copy", "_sha", "_step")
+        for name in ("_copy", "_lru", "_sha", "_step")
     ]
 )

@@ -22,12 +22,20 @@ operations.
 from __future__ import annotations
 
 import enum
+import os
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .._errors import InvalidArgumentError
 from ._policies import EvictionPolicy, LRUPolicy, _RecencyList
+
+try:  # touch_prefix / insert_chain with LRU in C (aiokv/_native/_lru.c); the Python methods below define them
+    from .._native import _lru as _native_lru
+except ImportError:  # pragma: no cover - built without a C compiler
+    _native_lru = None  # type: ignore[assignment]
+if os.environ.get("AIOKV_NATIVE_LRU", "1") == "0":
+    _native_lru = None  # type: ignore[assignment]
 
 __all__ = ["BlockIndex", "EntryState", "IndexStats"]
 
@@ -403,7 +411,13 @@ class BlockIndex:
         state = self._state
         policy = self.policy
         if type(policy) is LRUPolicy:
-            return self._touch_prefix_lru(keys, start, policy._list)
+            lst = policy._list
+            if _native_lru is not None and type(keys) in (tuple, list):
+                n, lst._last = _native_lru.touch_prefix(
+                    keys, start, slots, state, lst._order, lst._run, lst._last
+                )
+                return n
+            return self._touch_prefix_lru(keys, start, lst)
         touch = policy.touch
         n = 0
         for i in range(start, len(keys)):
@@ -448,7 +462,26 @@ class BlockIndex:
         if self._pinned or self._tenant_of is not None:  # pins and quotas need the general path
             return self._insert_chain_slow(keys, start)
         if type(self.policy) is LRUPolicy:
-            return self._insert_chain_lru(keys, start, self.policy._list)
+            lst = self.policy._list
+            if _native_lru is not None and type(keys) in (tuple, list):
+                inserted, evicted, rejected, lst._last = _native_lru.insert_chain(
+                    keys,
+                    start,
+                    self._slots,
+                    self._state,
+                    self._free,
+                    self._keys,
+                    self._parent,
+                    self._depth,
+                    self.on_evict,
+                    lst._order,
+                    lst._run,
+                    lst._last,
+                )
+                self._evictions += evicted
+                self._rejected += rejected
+                return inserted
+            return self._insert_chain_lru(keys, start, lst)
         # reserve + commit inlined; an evicted slot is reused at once (reserve would free it and pop it back).
         slots = self._slots
         state = self._state

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
+from aiokv.tiers import _index
 from aiokv.tiers._index import BlockIndex
 from aiokv.tiers._policies import ChainLRUPolicy, EvictionPolicy, LRUPolicy, SessionPolicy, make_policy
 
@@ -352,9 +353,20 @@ POLICIES: dict[str, Callable[[int], tuple[EvictionPolicy, EvictionPolicy]]] = {
 }
 
 
+@pytest.fixture(params=["native", "python"])
+def lru_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The LRU loops of touch_prefix/insert_chain in C (aiokv/_native/_lru.c) and in Python (the definition,
+    and what runs without a compiler)."""
+    if request.param == "python":
+        monkeypatch.setattr(_index, "_native_lru", None)
+    elif _index._native_lru is None:
+        pytest.skip("aiokv._native._lru is not built (no C compiler at install time)")
+    return str(request.param)
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @pytest.mark.parametrize("live", [False, True], ids=["replay", "live"])
-def test_fast_paths_match_the_reference(name: str, live: bool) -> None:
+def test_fast_paths_match_the_reference(name: str, live: bool, lru_loops: str) -> None:
     for seed in range(60):
         _run(seed, POLICIES[name], live)
 
@@ -391,7 +403,7 @@ def test_a_custom_policy_without_pop_victim_gets_the_default_hook() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_a_touch_that_finds_its_key_in_the_open_run_closes_the_run(name: str) -> None:
+def test_a_touch_that_finds_its_key_in_the_open_run_closes_the_run(name: str, lru_loops: str) -> None:
     """Two keys that became each other's parent (a degenerate chain): touching the first again, right after
     the second, must close the open run instead of extending it."""
     x, y = b"x", b"y"
