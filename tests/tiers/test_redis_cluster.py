@@ -35,7 +35,7 @@ from .test_hierarchy_e2e import BLOCK, Engine, prompt, serve
 
 PB = 4096
 PASSWORD = "s3cret-pw"
-GRANTS = "+exists +get +getex +set +del +ping +command +cluster|slots"
+GRANTS = "+exists +get +getex +set +del +ping +command +cluster|slots +asking"
 
 
 class FakeClock:
@@ -156,6 +156,112 @@ async def test_live_reshard_costs_no_miss(cluster: Cluster, namespace: str) -> N
     assert (stats.errors, stats.timeouts, stats.read_misses, stats.corrupt, stats.dropped) == (0, 0, 0, 0, 0)
     assert stats.health == TierHealth.UP
     await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_ask_redirects_land_when_the_pool_holds_several_connections_to_the_importing_node(
+    cluster: Cluster, namespace: str
+) -> None:
+    """A slot is half migrated (MIGRATING on its source, IMPORTING on its target, half of its keys moved) while
+    the client's pool holds several idle connections to the target, as it does after concurrent calls. Reads,
+    lookups and writes of the slot's keys follow the ASK redirects and see every block. (redis-py sent ASKING on
+    one pooled connection and the command on another, which the target answers MOVED: every moved key was a
+    miss and every new one a dropped write.)"""
+    tier = await open_tier(cluster.url, namespace, timeout_s=5.0)
+    source, target = cluster.masters()[:2]
+    probe = entries.keys(64)
+    slot = next(s for k in probe if cluster.owner(s := key_slot(tier.redis_key(k))) is source)
+    keys = keys_in_slot(tier, slot, 6, f"{namespace}-half")
+    fresh = keys_in_slot(tier, slot, 6, f"{namespace}-fresh")
+    data, fresh_data = entries.payloads(6, PB), entries.payloads(6, PB, seed=7)
+    assert await tier.write(keys, data) == 6
+    elsewhere = [k for k in probe if cluster.owner(key_slot(tier.redis_key(k))) is target][:4]
+    assert elsewhere
+    # Concurrent round trips to the target leave the pool with several idle connections to it.
+    assert await tier.write(elsewhere, entries.payloads(len(elsewhere), PB)) == len(elsewhere)
+    assert await asyncio.gather(*(tier.lookup(elsewhere) for _ in range(4))) == [len(elsewhere)] * 4
+    client = tier._client
+    assert isinstance(client, RedisCluster)
+    node = client.get_node(host="127.0.0.1", port=target.port)
+    assert node is not None
+    assert len(node._free) >= 2  # what sent redis-py's ASKING astray
+    loop = asyncio.get_running_loop()
+    checked: list[int] = []
+
+    async def every_block_seen() -> None:
+        outs = entries.outs(6, PB)
+        assert await tier.read_into(keys, outs) == 6
+        assert [bytes(o) for o in outs] == [bytes(d) for d in data]
+        assert await tier.lookup(keys) == 6
+        assert await tier.write(fresh, fresh_data) == 6  # absent on the source: written on the target
+        outs = entries.outs(6, PB)
+        assert await tier.read_into(fresh, outs) == 6
+        assert [bytes(o) for o in outs] == [bytes(d) for d in fresh_data]
+
+    def between_batches(moved: list[bytes]) -> None:
+        if checked:
+            return
+        with pytest.raises(AskError):
+            source.admin().get(moved[0])
+        checked.append(len(moved))
+        asyncio.run_coroutine_threadsafe(every_block_seen(), loop).result(timeout=60)
+
+    moved = await asyncio.to_thread(
+        cluster.migrate_slot, slot, source, target, batch=3, on_batch=between_batches
+    )
+    assert checked == [3]
+    assert moved >= 6
+    await every_block_seen()  # the slot is the target's now: MOVED, then the refreshed slot map
+    stats = tier.stats()
+    assert (stats.errors, stats.timeouts, stats.read_misses, stats.corrupt, stats.dropped) == (0, 0, 0, 0, 0)
+    await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_user_without_asking_misses_the_moved_keys_of_a_migrating_slot_and_says_why(
+    cluster: Cluster, namespace: str
+) -> None:
+    """ASKING is a command of its own under ACL, sent only while a slot migrates (open() cannot check it). A user
+    without +asking misses the keys already moved -- the failure names the refusal, not a redirect -- and reads
+    the keys not moved yet, then every key once the slot is reassigned. (The refusals count as failures: with
+    the default failures_to_down the tier would go down, as for any node that cannot serve.)"""
+    user = f"user-{namespace}"
+    rule = f"on >{PASSWORD} resetkeys ~{namespace}:* resetchannels -@all {GRANTS.replace(' +asking', '')}"
+    for node in cluster.nodes:
+        node.admin().execute_command("ACL", "SETUSER", user, *rule.split())
+    try:
+        tier = await open_tier(
+            cluster.url, namespace, username=user, password=PASSWORD, timeout_s=5.0, failures_to_down=100
+        )
+        source, target = cluster.masters()[:2]
+        slot = next(s for k in entries.keys(64) if cluster.owner(s := key_slot(tier.redis_key(k))) is source)
+        keys, data = keys_in_slot(tier, slot, 4, namespace), entries.payloads(4, PB)
+        assert await tier.write(keys, data) == 4
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[int, int]] = []
+
+        async def read_each(moved: set[bytes]) -> None:
+            for key, payload in zip(keys, data, strict=True):
+                out = entries.outs(1, PB)
+                got = await tier.read_into([key], out)
+                assert got == (0 if tier.redis_key(key) in moved else 1)
+                assert got == 0 or bytes(out[0]) == bytes(payload)
+            seen.append((tier.stats().read_misses, tier.stats().errors))
+
+        def between_batches(moved: list[bytes]) -> None:
+            if not seen:
+                asyncio.run_coroutine_threadsafe(read_each(set(moved)), loop).result(timeout=60)
+
+        await asyncio.to_thread(cluster.migrate_slot, slot, source, target, batch=2, on_batch=between_batches)
+        assert seen == [(2, 2)]
+        assert "asking" in (tier.stats().last_error or "")
+        outs = entries.outs(4, PB)
+        assert await tier.read_into(keys, outs) == 4
+        assert [bytes(o) for o in outs] == [bytes(d) for d in data]
+        await tier.aclose()
+    finally:
+        for node in cluster.nodes:
+            node.admin().execute_command("ACL", "DELUSER", user)
 
 
 # ---------------------------------------------------------------------------------------------- failover
