@@ -582,12 +582,7 @@ class RedisTier(BackingTier):
         if client is not None:
             try:
                 async with _timeout_at(asyncio.get_running_loop().time() + self.timeout_s):
-                    await client.aclose()
-                    if isinstance(client, RedisCluster):
-                        # A cluster client whose start failed (refused credentials, no node answered) closes
-                        # nothing in aclose(): close the sockets of every node it knows, TLS ones included.
-                        await client.nodes_manager.aclose()
-                        await client.nodes_manager.aclose("startup_nodes")
+                    await _close_client(client)
             except Exception:  # closing a dead connection may fail in many ways
                 pass
 
@@ -1038,6 +1033,22 @@ class RedisTier(BackingTier):
             last_error=self._last_error,
             **self._c,
         )
+
+
+async def _close_client(client: Redis | RedisCluster) -> None:
+    """Close every connection of ``client``; one whose close fails does not keep the others open."""
+    try:
+        await client.aclose()
+    finally:
+        if isinstance(client, RedisCluster):
+            # A cluster client whose start failed (refused credentials, no node answered) closes nothing in
+            # aclose(); and redis-py's RedisCluster.aclose() raises as soon as one node's close fails (a TLS
+            # close that outlasts socket_connect_timeout, say), before it closes the startup nodes -- other
+            # objects than the nodes found, with sockets of their own (the one that asked CLUSTER SLOTS). So
+            # close every node the client knows, each on its own.
+            manager = client.nodes_manager
+            nodes = {id(n): n for n in (*manager.nodes_cache.values(), *manager.startup_nodes.values())}
+            await asyncio.gather(*(node.disconnect() for node in nodes.values()), return_exceptions=True)
 
 
 async def _server_max_value_bytes(client: Redis | RedisCluster) -> int | None:
