@@ -24,10 +24,11 @@ probes the server. A successful call brings it back ``"up"``; a failure short of
 serve now -- a dropped connection, ``CLUSTERDOWN``, ``LOADING``... -- is a failure too, even when other replies
 of the same pipeline succeeded (those are used).
 
-Cluster (``cluster=True``): keys are spread over the hash slots; redis-py splits each pipeline per node and
-follows ``MOVED`` / ``ASK`` redirects, so a live reshard costs extra round trips, not misses. After a failed
-round trip the slot map is refreshed by the next call, which finds a promoted replica as soon as the cluster
-has one. At most ``max_connections`` round trips are in flight at once, so no node's pool runs dry.
+Cluster (``cluster=True``): keys are spread over the hash slots; redis-py splits each pipeline per node, and the
+tier follows ``ASK`` / ``MOVED`` redirects itself (a few hops, one pipelined round trip per node each), so a live
+reshard costs extra round trips, not misses. After a ``MOVED`` or a failed round trip the slot map is refreshed by
+the next call, which finds a promoted replica as soon as the cluster has one. At most ``max_connections`` round
+trips are in flight at once, so no node's pool runs dry.
 
 Configuration errors raise at open: credentials the server refuses, or an ACL user not allowed the commands
 this tier runs on its keys, raise :class:`~aiokv.InvalidArgumentError` from ``open()`` -- they would not go
@@ -47,7 +48,7 @@ from typing import Any, TypeVar
 
 try:  # redis is an optional extra (aiokv[redis]): importing aiokv must work without it
     from redis.asyncio import BlockingConnectionPool, Redis
-    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
     from redis.asyncio.connection import parse_url
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
@@ -56,6 +57,7 @@ try:  # redis is an optional extra (aiokv[redis]): importing aiokv must work wit
         AuthenticationError,
         AuthorizationError,
         ClusterDownError,
+        MovedError,
         NoPermissionError,
         ReadOnlyError,
         ResponseError,
@@ -96,6 +98,7 @@ _MIN_VALUE_BYTES = 4096
 _SMALLEST_SERVER_LIMIT = 1 << 20  # proto-max-bulk-len cannot be set lower
 _PROBE_KEY = b"aiokv-permission-probe"  # under the namespace's prefix; never created
 _SPARE_CONNECTIONS = 2  # per cluster node, beyond max_connections: redirects and slot-map refreshes
+_REDIRECTS = 4  # cluster: ASK / MOVED answers followed per command within one call
 _REFUSED_PREFIXES = ("NOAUTH", "WRONGPASS", "NOPERM")
 _UNAVAILABLE_PREFIXES = ("LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", *_REFUSED_PREFIXES)
 
@@ -579,12 +582,7 @@ class RedisTier(BackingTier):
         if client is not None:
             try:
                 async with _timeout_at(asyncio.get_running_loop().time() + self.timeout_s):
-                    await client.aclose()
-                    if isinstance(client, RedisCluster):
-                        # A cluster client whose start failed (refused credentials, no node answered) closes
-                        # nothing in aclose(): close the sockets of every node it knows, TLS ones included.
-                        await client.nodes_manager.aclose()
-                        await client.nodes_manager.aclose("startup_nodes")
+                    await _close_client(client)
             except Exception:  # closing a dead connection may fail in many ways
                 pass
 
@@ -679,6 +677,56 @@ class RedisTier(BackingTier):
                 self._stale_topology = False
             return await op(client)
 
+    async def _pipeline(self, client: Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Send single-key ``commands`` in one pipelined round trip (one per node in a cluster) and return their
+        replies in order, errors as exception objects.
+
+        In a cluster the redirects are followed here rather than by redis-py, which re-sends each redirected
+        command alone and sends its ``ASKING`` as a command of its own on whichever pooled connection is free:
+        with two idle connections to the importing node, ``ASKING`` goes out on one and the command on the
+        other, which the node answers ``MOVED`` back to the source until redis-py gives up -- a miss for every
+        key of a migrating slot already moved, a dropped write for every new one. Here each hop is one pipeline to the nodes the redirects
+        name, an ``ASK``-ed command right behind its ``ASKING`` on the same connection; at most
+        :data:`_REDIRECTS` hops, after which the last redirect is the reply (a failure, see
+        :func:`_unavailable`). A ``MOVED`` means the slot map is stale: the next call refreshes it."""
+        if not isinstance(client, RedisCluster):
+            pipe = client.pipeline(transaction=False)
+            for args in commands:
+                pipe.execute_command(*args)
+            return await pipe.execute(raise_on_error=False)
+        replies: list[Any] = [None] * len(commands)
+        # (command, node the last redirect named or None for the slot map's, ASKING first)
+        sends: list[tuple[int, ClusterNode | None, bool]] = [(i, None, False) for i in range(len(commands))]
+        for hop in range(_REDIRECTS + 1):
+            hop_pipe = client.pipeline(transaction=False)
+            for i, node, asking in sends:
+                if node is None:
+                    hop_pipe.execute_command(*commands[i])
+                    continue
+                if asking:
+                    hop_pipe.execute_command("ASKING", target_nodes=node)
+                hop_pipe.execute_command(*commands[i], target_nodes=node)
+            answers = iter(await hop_pipe.execute(raise_on_error=False, allow_redirections=False))
+            redirected: list[tuple[int, ClusterNode | None, bool]] = []
+            for i, _, asking in sends:
+                allowed = next(answers) if asking else None
+                reply = next(answers)
+                if isinstance(allowed, BaseException):  # ASKING refused (NOPERM: a user without +asking)
+                    reply = allowed
+                replies[i] = reply
+                if not isinstance(reply, AskError):  # a value, or an error that no other node would fix
+                    continue
+                moved = isinstance(reply, MovedError)  # a subclass of AskError
+                if moved:
+                    self._stale_topology = True
+                target = client.get_node(host=reply.host, port=reply.port)
+                if target is not None:  # a node the client has never heard of: the redirect stays the reply
+                    redirected.append((i, target, not moved))
+            if not redirected or hop == _REDIRECTS:
+                break
+            sends = redirected
+        return replies
+
     async def _after_failure(self, client: Redis | RedisCluster) -> None:
         """After a failure the pooled idle connections are suspect (a restarted server leaves them half
         closed): close them so that the next call, the probe in particular, connects afresh; in a cluster, also
@@ -720,7 +768,7 @@ class RedisTier(BackingTier):
             return (
                 f"username {self._username!r} may not run the commands {self._where} needs ({exc}): grant it "
                 f"at least ~{self.namespace}:* +exists +get +getex +set +del +ping, and +command "
-                "+cluster|slots for a cluster (+config|get lets the tier read proto-max-bulk-len)"
+                "+cluster|slots +asking for a cluster (+config|get lets the tier read proto-max-bulk-len)"
             )
         return f"password or username refused by {self._where}: {exc}"
 
@@ -755,13 +803,10 @@ class RedisTier(BackingTier):
         if not keys:
             return 0
         per = self._parts().parts
-        rkeys = [rkey for key in keys for rkey in self.redis_keys(key)]
+        commands = [("EXISTS", rkey) for key in keys for rkey in self.redis_keys(key)]
 
         async def op(client: Redis | RedisCluster) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for rkey in rkeys:
-                pipe.exists(rkey)
-            return await pipe.execute(raise_on_error=False)
+            return await self._pipeline(client, commands)
 
         result = await self._call(op, _now() + self.timeout_s, check=_first_unavailable)
         if isinstance(result, _Failed):
@@ -798,16 +843,16 @@ class RedisTier(BackingTier):
         done = 0
         while done < len(keys):
             chunk = keys[done : done + step]
-            rkeys = [rkey for key in chunk for rkey in self.redis_keys(key)]
+            commands = [
+                ("GET", rkey) if ttl is None else ("GETEX", rkey, "PX", ttl)
+                for key in chunk
+                for rkey in self.redis_keys(key)
+            ]
 
-            async def op(client: Redis | RedisCluster, rkeys: list[bytes] = rkeys) -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for rkey in rkeys:
-                    if ttl is None:
-                        pipe.get(rkey)
-                    else:
-                        pipe.getex(rkey, px=ttl)
-                return await pipe.execute(raise_on_error=False)
+            async def op(
+                client: Redis | RedisCluster, commands: list[tuple[Any, ...]] = commands
+            ) -> list[Any]:
+                return await self._pipeline(client, commands)
 
             values = await self._call(op, deadline, check=_first_unavailable)
             if isinstance(values, _Failed):
@@ -882,11 +927,8 @@ class RedisTier(BackingTier):
         )
 
     async def _delete(self, rkeys: list[bytes], deadline: float) -> None:
-        async def op(client: Redis | RedisCluster) -> Any:
-            pipe = client.pipeline(transaction=False)
-            for rkey in rkeys:
-                pipe.delete(rkey)
-            return await pipe.execute(raise_on_error=False)
+        async def op(client: Redis | RedisCluster) -> list[Any]:
+            return await self._pipeline(client, [("DEL", rkey) for rkey in rkeys])
 
         await self._call(op, max(deadline, _now() + self.timeout_s / 4), check=_first_unavailable)
 
@@ -912,6 +954,7 @@ class RedisTier(BackingTier):
         self._c["writes"] += 1
         deadline = _now() + self.timeout_s
         ttl = self._ttl_ms()
+        px = () if ttl is None else ("PX", ttl)
         step = self._batch_len()
         split = self._parts()
         per = split.parts
@@ -942,10 +985,7 @@ class RedisTier(BackingTier):
             async def op(
                 client: Redis | RedisCluster, items: list[tuple[bytes, memoryview]] = items
             ) -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for rkey, value in items:
-                    pipe.set(rkey, value, px=ttl)
-                return await pipe.execute(raise_on_error=False)
+                return await self._pipeline(client, [("SET", rkey, value, *px) for rkey, value in items])
 
             result = await self._call(op, deadline, check=_first_unavailable)
             if isinstance(result, _Failed):
@@ -993,6 +1033,22 @@ class RedisTier(BackingTier):
             last_error=self._last_error,
             **self._c,
         )
+
+
+async def _close_client(client: Redis | RedisCluster) -> None:
+    """Close every connection of ``client``; one whose close fails does not keep the others open."""
+    try:
+        await client.aclose()
+    finally:
+        if isinstance(client, RedisCluster):
+            # A cluster client whose start failed (refused credentials, no node answered) closes nothing in
+            # aclose(); and redis-py's RedisCluster.aclose() raises as soon as one node's close fails (a TLS
+            # close that outlasts socket_connect_timeout, say), before it closes the startup nodes -- other
+            # objects than the nodes found, with sockets of their own (the one that asked CLUSTER SLOTS). So
+            # close every node the client knows, each on its own.
+            manager = client.nodes_manager
+            nodes = {id(n): n for n in (*manager.nodes_cache.values(), *manager.startup_nodes.values())}
+            await asyncio.gather(*(node.disconnect() for node in nodes.values()), return_exceptions=True)
 
 
 async def _server_max_value_bytes(client: Redis | RedisCluster) -> int | None:

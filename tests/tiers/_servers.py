@@ -471,8 +471,14 @@ class Cluster:
 
     def _form(self) -> None:
         masters, replicas = self.nodes[: self.masters_count], self.nodes[self.masters_count :]
-        for node in self.nodes:
+        for epoch, node in enumerate(self.nodes, start=1):
             node.node_id = node.admin().execute_command("CLUSTER", "MYID").decode()
+            # Distinct config epochs before the nodes meet, as `redis-cli --cluster create` gives them. Left at 0,
+            # the masters' epochs collide and are told apart by bumps spread over the next gossip rounds; a
+            # slot reassigned meanwhile (CLUSTER SETSLOT ... NODE) can end up bound to its old master again on
+            # its new one, whose bump was skipped because it had not yet heard of the old master's greater
+            # epoch: each then answers MOVED to the other, for seconds.
+            node.admin().execute_command("CLUSTER", "SET-CONFIG-EPOCH", epoch)
         for i, node in enumerate(masters):
             lo, hi = i * SLOTS // len(masters), (i + 1) * SLOTS // len(masters)
             node.admin().execute_command("CLUSTER", "ADDSLOTS", *range(lo, hi))
@@ -488,6 +494,7 @@ class Cluster:
             )
         self.wait_ok()
         wait_until(self._replicas_in_sync, CLUSTER_TIMEOUT_S, "every replica is in sync")
+        wait_until(self._epochs_known, CLUSTER_TIMEOUT_S, "every node knows every master's config epoch")
 
     def _all_known(self) -> bool:
         want = {n.node_id for n in self.nodes}
@@ -503,6 +510,18 @@ class Cluster:
             replica.admin().execute_command("CLUSTER", "REPLICATE", master.node_id)
         except redis.ResponseError:  # the master is not known as a master yet
             return False
+        return True
+
+    def _epochs_known(self) -> bool:
+        """Every node sees each master with the config epoch the master has, and the masters' epochs are
+        distinct: a node taking over a slot then bumps its own past all of them."""
+        truth = {node.node_id: self.config_epochs(node).get(node.node_id) for node in self.masters()}
+        if len(set(truth.values())) < len(truth):
+            return False
+        for node in self.alive_nodes():
+            view = self.config_epochs(node)
+            if any(view.get(node_id) != epoch for node_id, epoch in truth.items()):
+                return False
         return True
 
     def _replicas_in_sync(self) -> bool:
@@ -557,11 +576,27 @@ class Cluster:
 
     def owner(self, slot: int) -> Node:
         """The master serving ``slot`` (as CLUSTER SLOTS of a live node says)."""
-        for lo, hi, master, *_ in self.alive_nodes()[0].admin().execute_command("CLUSTER", "SLOTS"):
+        owner = self.owner_seen_by(self.alive_nodes()[0], slot)
+        if owner is None:
+            raise LookupError(f"slot {slot} is not served")
+        return owner
+
+    def config_epochs(self, node: Node) -> dict[str, int]:
+        """The config epoch of every master as ``node`` sees it (``CLUSTER NODES``), by node id."""
+        epochs: dict[str, int] = {}
+        for line in node.admin().execute_command("CLUSTER", "NODES").decode().splitlines():
+            fields = line.split()
+            if fields and "master" in fields[2].split(","):
+                epochs[fields[0]] = int(fields[6])
+        return epochs
+
+    def owner_seen_by(self, node: Node, slot: int) -> Node | None:
+        """The master serving ``slot`` as ``node`` sees it (None: unassigned)."""
+        for lo, hi, master, *_ in node.admin().execute_command("CLUSTER", "SLOTS"):
             if int(lo) <= slot <= int(hi):
                 port = int(master[1])
-                return next(n for n in self.nodes if n.port == port)
-        raise LookupError(f"slot {slot} is not served")
+                return next((n for n in self.nodes if n.port == port), None)
+        return None
 
     def dbsize(self, node: Node) -> int:
         return int(node.admin().dbsize())
@@ -618,6 +653,14 @@ class Cluster:
             moved += len(keys)
             if on_batch is not None:
                 on_batch(list(keys))
-        for node in (target, source, *(n for n in self.masters() if n not in (source, target))):
+        masters = [target, source, *(n for n in self.masters() if n not in (source, target))]
+        for node in masters:
             node.admin().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target.node_id)
+        # Every master was told directly; one that still names another owner has had the slot rebound by gossip
+        # (a config epoch race): clients would bounce between MOVED answers, so say so here.
+        wait_until(
+            lambda: all(self.owner_seen_by(n, slot) is target for n in masters),
+            CLUSTER_TIMEOUT_S,
+            f"every master sees slot {slot} on node {target.port}",
+        )
         return moved

@@ -419,6 +419,9 @@ class ScriptedPipeline:
 
         return queue
 
+    def execute_command(self, name: str, key: bytes, *args: Any, **kwargs: Any) -> None:
+        self.commands.append((name.lower(), key))
+
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
         self.client.sent.append(self.commands)
         return self.client.replies.pop(0)
@@ -505,5 +508,5 @@ async def test_refusals_of_one_value_leave_the_tier_up(redis_server: Any, namesp
         0,
         TierHealth.UP,
     )
-    assert fake.sent[-1] == [("delete", tier.redis_key(keys[1]))]
+    assert fake.sent[-1] == [("del", tier.redis_key(keys[1]))]
     await tier.aclose()

@@ -1,4 +1,5 @@
-"""The test servers' own harness: ports that outgoing connections cannot take, and a retry when one is taken anyway.
+"""The test servers' own harness: ports that outgoing connections cannot take, and a retry when one is taken anyway;
+clusters whose config epochs are settled when they are handed out.
 
 A CI run once failed because a cluster node's bus port, picked by binding port 0 and releasing it, was taken by an
 outgoing connection's local port before the node bound it. These tests hold a picked port open on purpose and check
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ._servers import Binary, Cluster, ServerProcess, _ephemeral_range, free_port
+from ._servers import Binary, Cluster, Node, ServerProcess, _ephemeral_range, free_port
 
 
 @contextmanager
@@ -66,3 +67,29 @@ def test_a_cluster_node_whose_bus_port_was_taken_joins_on_another(
             cluster.wait_ok()
         finally:
             cluster.stop()
+
+
+def _config_epochs(node: Node) -> dict[str, int]:
+    """Every master's config epoch as ``node`` sees it, by node id (read here, not through the harness)."""
+    lines = node.admin().execute_command("CLUSTER", "NODES").decode().splitlines()
+    return {f[0]: int(f[6]) for f in map(str.split, lines) if f and "master" in f[2].split(",")}
+
+
+def test_a_started_cluster_has_distinct_master_epochs_that_every_node_knows(
+    tmp_path: Path, server_binary: Binary
+) -> None:
+    """Masters formed at config epoch 0 collide and are told apart by bumps over the next gossip rounds. A slot
+    reassigned meanwhile (CLUSTER SETSLOT ... NODE) was seen bound back to its old master on its new one, which
+    had skipped its own bump because it had not heard of the old master's new epoch yet: each answered MOVED to
+    the other for seconds, and a live-reshard test saw misses. A cluster is handed out with the epochs settled."""
+    cluster = Cluster(tmp_path / "c", server_binary)
+    cluster.start()
+    try:
+        masters = cluster.masters()
+        epochs = {m.node_id: _config_epochs(m)[m.node_id] for m in masters}
+        assert len(set(epochs.values())) == len(masters)
+        for node in cluster.alive_nodes():
+            view = _config_epochs(node)
+            assert {node_id: view.get(node_id) for node_id in epochs} == epochs
+    finally:
+        cluster.stop()
