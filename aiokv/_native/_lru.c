@@ -75,6 +75,21 @@ static int check_state(PyObject *slots, PyObject *state, PyObject *order, PyObje
     return 0;
 }
 
+/* The arguments both loops share: ``keys`` a list or tuple, ``start`` an index >= 0, and the structures. */
+static int check_args(PyObject *keys, PyObject *start_obj, PyObject *slots, PyObject *state, PyObject *order,
+                      PyObject *run, Py_ssize_t *start) {
+    *start = PyLong_AsSsize_t(start_obj);
+    if (*start < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "start must be >= 0");
+        return -1;
+    }
+    if (!(PyList_CheckExact(keys) || PyTuple_CheckExact(keys))) {
+        PyErr_SetString(PyExc_TypeError, "keys must be a list or tuple");
+        return -1;
+    }
+    return check_state(slots, state, order, run);
+}
+
 /* The state byte of ``slot`` (an int object from the slot dict), or -1 when it is out of range. */
 static inline int state_of(PyObject *state, PyObject *slot_obj) {
     Py_ssize_t s = PyLong_AsSsize_t(slot_obj);
@@ -93,13 +108,8 @@ static PyObject *touch_prefix(PyObject *Py_UNUSED(m), PyObject *const *args, Py_
     }
     PyObject *keys = args[0], *slots = args[2], *state = args[3], *order = args[4], *run = args[5];
     PyObject *last = args[6];
-    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
-    if (start < 0 && PyErr_Occurred()) return NULL;
-    if (!(PyList_CheckExact(keys) || PyTuple_CheckExact(keys))) {
-        PyErr_SetString(PyExc_TypeError, "keys must be a list or tuple");
-        return NULL;
-    }
-    if (check_state(slots, state, order, run) < 0) return NULL;
+    Py_ssize_t start;
+    if (check_args(keys, args[1], slots, state, order, run, &start) < 0) return NULL;
     Py_INCREF(keys); /* the list's items are borrowed below */
     Py_ssize_t n = 0;
     for (Py_ssize_t i = start; i < PySequence_Fast_GET_SIZE(keys); i++) {
@@ -131,13 +141,8 @@ static PyObject *insert_chain(PyObject *Py_UNUSED(m), PyObject *const *args, Py_
     PyObject *keys = args[0], *slots = args[2], *state = args[3], *free_slots = args[4], *key_of = args[5];
     PyObject *parent_of = args[6], *depth_of = args[7], *on_evict = args[8], *order = args[9], *run = args[10];
     PyObject *last = args[11];
-    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
-    if (start < 0 && PyErr_Occurred()) return NULL;
-    if (!(PyList_CheckExact(keys) || PyTuple_CheckExact(keys))) {
-        PyErr_SetString(PyExc_TypeError, "keys must be a list or tuple");
-        return NULL;
-    }
-    if (check_state(slots, state, order, run) < 0) return NULL;
+    Py_ssize_t start;
+    if (check_args(keys, args[1], slots, state, order, run, &start) < 0) return NULL;
     if (!PyList_CheckExact(key_of) || !PyList_CheckExact(parent_of) || (on_evict != Py_None && !PyList_Check(on_evict))) {
         PyErr_SetString(PyExc_TypeError, "unexpected index structures");
         return NULL;

@@ -441,3 +441,17 @@ def test_a_subclass_that_reorders_candidates_is_evicted_by_its_own_order() -> No
     assert index.on_evict == [b"b", b"c"]
     assert MRU._pop_victim is EvictionPolicy._pop_victim
     assert LRUPolicy._pop_victim is not EvictionPolicy._pop_victim
+
+
+def test_the_c_loops_refuse_bad_arguments_instead_of_reading_out_of_bounds() -> None:
+    lru = _index._native_lru
+    if lru is None:
+        pytest.skip("aiokv._native._lru is not built (no C compiler at install time)")
+    args = ({}, bytearray(1), {}, {}, None)
+    with pytest.raises(ValueError, match="start must be >= 0"):
+        lru.touch_prefix((b"a",), -1, *args)
+    with pytest.raises(TypeError, match="keys must be a list or tuple"):
+        lru.touch_prefix(iter([b"a"]), 0, *args)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected index or policy structures"):
+        lru.touch_prefix([b"a"], 0, {}, b"x", {}, {}, None)  # type: ignore[arg-type]
+    assert lru.touch_prefix([b"a"], 5, *args) == (0, None)  # start past the end: nothing to touch
