@@ -194,21 +194,22 @@ class BlockIndex:
 
     def _evict_own(self, tenant: bytes) -> bool:
         """Evict ``tenant``'s first unpinned candidate in the policy's order; whether there was one."""
-        tenant_of = self._tenant_of
-        assert tenant_of is not None
+        assert self._tenant_of is not None
+        return self._evict_first_unpinned(tenant)
+
+    def _evict_first_unpinned(self, tenant: bytes | None = None) -> bool:
+        """Evict the first candidate in the policy's order that is not pinned (and, given ``tenant``, is that
+        tenant's); whether there was one."""
         slots = self._slots
         pins = self._pins
-        victim = None
+        tenant_of = self._tenant_of
         for key in self.policy.candidates():
             slot = slots[key]
-            if tenant_of[slot] == tenant and pins[slot] == 0:
-                victim = key
-                break
-        if victim is None:
-            return False
-        self.policy.remove(victim, evicted=True)
-        self._evicted(victim, slots[victim])
-        return True
+            if pins[slot] == 0 and (tenant is None or (tenant_of is not None and tenant_of[slot] == tenant)):
+                self.policy.remove(key, evicted=True)
+                self._evicted(key, slot)
+                return True
+        return False
 
     # ------------------------------------------------------------ lookup / pins
     def pin_prefix(self, keys: Sequence[bytes]) -> list[int]:
@@ -384,22 +385,13 @@ class BlockIndex:
             self.on_evict.append(victim)
 
     def _evict_one(self) -> bool:
-        slots = self._slots
-        if self._pinned == 0:  # every candidate is evictable: the policy pops its first one
-            victim = self.policy._pop_victim()
-            if victim is None:
-                return False
-        else:
-            pins = self._pins
-            victim = None
-            for key in self.policy.candidates():
-                if pins[slots[key]] == 0:
-                    victim = key
-                    break
-            if victim is None:
-                return False
-            self.policy.remove(victim, evicted=True)
-        self._evicted(victim, slots[victim])
+        if self._pinned:
+            return self._evict_first_unpinned()
+        # Every candidate is evictable: the policy pops its first one.
+        victim = self.policy._pop_victim()
+        if victim is None:
+            return False
+        self._evicted(victim, self._slots[victim])
         return True
 
     # ------------------------------------------------------- whole-chain fast path (replay)
