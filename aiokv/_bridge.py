@@ -201,10 +201,11 @@ class ThreadRequest:
         """Resolves to the cached prefix length in tokens (see :meth:`Request.lookup`)."""
         return self._call(self._req.lookup)
 
-    def load(self, block_ids: Sequence[int]) -> concurrent.futures.Future[int]:
-        """Resolves once the cached prefix is in ``block_ids``, to the tokens restored."""
+    def load(self, block_ids: Sequence[int], *, present_blocks: int = 0) -> concurrent.futures.Future[int]:
+        """Resolves once the cached prefix is in ``block_ids``, to the tokens restored (see
+        :meth:`Request.load`, also for ``present_blocks``)."""
         ids = list(block_ids)
-        return self._call(lambda: self._req.load(ids))
+        return self._call(lambda: self._req.load(ids, present_blocks=present_blocks))
 
     def step(
         self, num_computed_tokens: int, new_token_ids: Sequence[int] = (), new_block_ids: Sequence[int] = ()

@@ -311,13 +311,19 @@ class Request:
         self._hit_blocks = None  # load() waits for this lookup's result
         return self._post(_Ev.LOOKUP, self._epoch)
 
-    def load(self, block_ids: Sequence[int]) -> LoadCompletion:
+    def load(self, block_ids: Sequence[int], *, present_blocks: int = 0) -> LoadCompletion:
         """Copy the cached prefix found by :meth:`lookup` into ``block_ids``, which become the request's first
         blocks. Resolves, when the KV is in the engine blocks, to the number of tokens restored: the lookup's
         count when ``len(block_ids)`` covers every block it found (with ``store_partial_last_block`` that
         includes a partially filled last block), else ``len(block_ids) * block_size``; 0 if the copy failed
         (a miss, counted and logged; ``num_computed_tokens`` is then 0 again). Compute the rest of the prompt
         from that number, never from the lookup's: a step claiming more before the load resolved is refused.
+
+        ``present_blocks``: the first ``present_blocks`` of ``block_ids`` already hold this prefix's KV (an
+        engine's own prefix cache, e.g. vLLM's): they join the block table but are not written (an engine may
+        share them with other requests), and only ``block_ids[present_blocks:]`` are copied. The result counts
+        the present blocks too; when the copy fails it is 0 all the same (the engine recomputes from the first
+        copied block, or from 0).
 
         Raises only for misuse (bad ``block_ids``, wrong state, a closed offloader). Cancelling the awaiting
         task before the copy is submitted withdraws the load (nothing is copied and the pins are released).
@@ -335,6 +341,12 @@ class Request:
         if len(ids) > self._hit_blocks:
             raise InvalidArgumentError(
                 f"block_ids must have at most {self._hit_blocks} blocks (the last lookup's hit), got {len(ids)}"
+            )
+        if isinstance(present_blocks, bool) or not isinstance(present_blocks, int):
+            raise InvalidTypeError(f"present_blocks must be an int, got {type(present_blocks).__name__}")
+        if not 0 <= present_blocks <= len(ids):
+            raise InvalidArgumentError(
+                f"present_blocks must be in [0, {len(ids)}] (the blocks passed), got {present_blocks}"
             )
         partial = self._partial if len(ids) == self._hit_blocks else 0
         # The copy must not write the blocks before the kernels already queued on the compute stream (their
@@ -358,7 +370,7 @@ class Request:
         ticket: asyncio.Future[TransferFuture | None] = self._off.loop.create_future()
         self._load_ticket = ticket
         restored = self.num_computed_tokens
-        self._post_nowait(_Ev.LOAD, (ids, mark, ticket, restored, self._epoch), fut)
+        self._post_nowait(_Ev.LOAD, (ids, mark, ticket, restored, self._epoch, present_blocks), fut)
         return LoadCompletion(fut, ticket, restored, self._off)
 
     def step(
@@ -425,6 +437,17 @@ class Request:
             self._stored_upto = full
             self._step_store(upto, full)
         return None
+
+    def append_tokens(self, token_ids: Sequence[int]) -> None:
+        """Append known tokens without reporting a step: ``num_computed_tokens`` and the block table stay as
+        they are. For an engine whose scheduler learns sampled tokens after it reported the step that computed
+        them (vLLM's asynchronous scheduling), or that learns a preempted request's last tokens late: the blocks
+        they complete are stored by the next :meth:`step` that covers them, and a :meth:`lookup` after a
+        preemption considers them. Allowed in every state until the request ends."""
+        self._check_call("append_tokens")
+        toks = check_token_ids(token_ids, "token_ids") if len(token_ids) else _EMPTY
+        if toks:
+            self.token_ids.extend(toks)
 
     def _step_store(self, upto: int, full: int) -> None:
         """A step completed blocks ``upto..full-1`` (``_stored_upto`` is already ``full``): queue their store."""
@@ -857,8 +880,9 @@ class Request:
             self._unpin()
         return hit * bs + partial
 
-    async def _do_load(self, payload: tuple[list[int], Any, Any, int, int]) -> int:
-        block_ids, mark, ticket, restored, epoch = payload
+    async def _do_load(self, payload: tuple[Any, ...]) -> int:
+        block_ids, mark, ticket, restored, epoch = payload[:5]
+        present = payload[5] if len(payload) > 5 else 0
         n = len(block_ids)
         off = self._off
         if n == 0:
@@ -872,6 +896,15 @@ class Request:
         if extra:
             off._unpin(extra)
         assert len(keys) == n, "load() of more blocks than its lookup pinned"
+        if present:
+            # The engine holds these blocks' KV already: nothing is written into them.
+            off._unpin(keys[:present])
+            keys, slots, block_ids = keys[present:], slots[present:], block_ids[present:]
+            if not keys:
+                _settle_ticket(ticket, None)
+                if self.state is RequestState.LOADING:
+                    self.state = RequestState.RUNNING
+                return restored
         # The loaded entries stay pinned until the copy reading their slots completes (done callback).
         try:
             tf = off._load_blocks(keys, slots, block_ids, mark)

@@ -39,12 +39,14 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "default": {},
 }
 
-TIER_KINDS = ("cpu", "disk", "redis")
+TIER_KINDS = ("cpu", "disk", "shm", "redis", "redis-cluster")
+_URL_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
 
 
 @dataclass(frozen=True, slots=True)
 class TierSpec:
-    """One parsed entry of ``--tiers``: ``cpu=SIZE``, ``disk=PATH:SIZE`` or ``redis=URL``."""
+    """One parsed entry of ``--tiers``: ``cpu=SIZE``, ``disk=PATH:SIZE``, ``shm=NAME:SIZE``, ``redis=URL`` or
+    ``redis-cluster=URL`` (a ``valkey://`` / ``valkeys://`` URL is the same as ``redis://`` / ``rediss://``)."""
 
     kind: str
     capacity_bytes: int | None = None
@@ -53,26 +55,28 @@ class TierSpec:
 
     def build(self) -> CPUTier | BackingTier:
         """The real tier object (not opened)."""
-        from ..tiers import CPUTier, DiskTier, RedisTier
+        from ..tiers import CPUTier, DiskTier, RedisTier, SharedMemoryTier
 
         if self.kind == "cpu":
             assert self.capacity_bytes is not None
             return CPUTier(capacity_bytes=self.capacity_bytes)
-        if self.kind == "disk":
+        if self.kind in ("disk", "shm"):
             assert self.path is not None
             assert self.capacity_bytes is not None
+            if self.kind == "shm":
+                return SharedMemoryTier(self.path, self.capacity_bytes)
             return DiskTier(self.path, self.capacity_bytes)
         assert self.url is not None
-        return RedisTier(self.url)
+        return RedisTier(self.url, cluster=self.kind == "redis-cluster")
 
     def describe(self) -> str:
         from ..replay._model import format_size
 
         if self.kind == "cpu":
             return f"cpu={format_size(self.capacity_bytes or 0)}"
-        if self.kind == "disk":
-            return f"disk={self.path}:{format_size(self.capacity_bytes or 0)}"
-        return f"redis={_redact(self.url or '')}"
+        if self.kind in ("disk", "shm"):
+            return f"{self.kind}={self.path}:{format_size(self.capacity_bytes or 0)}"
+        return f"{self.kind}={_redact(self.url or '')}"
 
 
 def _redact(url: str) -> str:
@@ -84,36 +88,49 @@ def _redact(url: str) -> str:
 def parse_tiers(text: str) -> tuple[TierSpec, ...]:
     """``cpu=1GiB,disk=/var/cache/aiokv:20GiB,redis=redis://host:6379/0`` -> tier specs, fastest first.
 
-    The CPU tier comes first and is required; a disk and a Redis tier may follow, each at most once.
-    Sizes take the units of ``aiokv replay --tiers`` (``64GiB``, ``500MB``, plain bytes)."""
+    The CPU tier comes first and is required; a disk (``disk=PATH:SIZE``), a shared-memory
+    (``shm=NAME:SIZE``, see :class:`~aiokv.tiers.SharedMemoryTier`) and a Redis/Valkey tier (``redis=URL``,
+    or ``redis-cluster=URL`` for a Redis Cluster) may follow, each kind at most once. Sizes take the units of
+    ``aiokv replay --tiers`` (``64GiB``, ``500MB``, plain bytes)."""
     from ..cli import _parse_assignments
     from ..replay._model import parse_size
 
     specs: list[TierSpec] = []
+    seen: set[str] = set()
     for i, (name, value) in enumerate(_parse_assignments(text, "tiers")):
         if name not in TIER_KINDS:
-            raise InvalidArgumentError(f"tiers must name cpu, disk or redis, got {name!r} in {text!r}")
+            raise InvalidArgumentError(
+                f"tiers must name cpu, disk, shm, redis or redis-cluster, got {name!r} in {text!r}"
+            )
         if (name == "cpu") != (i == 0):
             raise InvalidArgumentError(f"tiers must start with cpu=SIZE (and name it once), got {text!r}")
+        family = "redis" if name.startswith("redis") else name
+        if family in seen:
+            raise InvalidArgumentError(f"tiers must name each kind of tier at most once, got {text!r}")
+        seen.add(family)
         if name == "cpu":
             size = parse_size(value, what="capacity of tier 'cpu'")
             if size is None:
                 raise InvalidArgumentError("capacity of tier 'cpu' must be finite: it is allocated up front")
             specs.append(TierSpec("cpu", capacity_bytes=size))
-        elif name == "disk":
+        elif name in ("disk", "shm"):
             path, sep, size_text = value.rpartition(":")
+            what = "PATH" if name == "disk" else "NAME"
             if not sep or not path:
-                raise InvalidArgumentError(f"disk tier must look like disk=PATH:SIZE, got {value!r}")
-            size = parse_size(size_text, what="capacity of tier 'disk'")
+                raise InvalidArgumentError(f"{name} tier must look like {name}={what}:SIZE, got {value!r}")
+            size = parse_size(size_text, what=f"capacity of tier {name!r}")
             if size is None:
-                raise InvalidArgumentError("capacity of tier 'disk' must be finite, got 'inf'")
-            specs.append(TierSpec("disk", capacity_bytes=size, path=path))
+                raise InvalidArgumentError(f"capacity of tier {name!r} must be finite, got 'inf'")
+            specs.append(TierSpec(name, capacity_bytes=size, path=path))
         else:
-            if not value.startswith(("redis://", "rediss://", "unix://")):
+            if not value.startswith(_URL_SCHEMES):
                 raise InvalidArgumentError(
-                    f"redis tier must be a redis://, rediss:// or unix:// URL, got {_redact(value)!r}"
+                    f"{name} tier must be a redis://, rediss://, valkey://, valkeys:// or unix:// URL, "
+                    f"got {_redact(value)!r}"
                 )
-            specs.append(TierSpec("redis", url=value))
+            if value.startswith("valkey"):  # the same protocol: redis-py speaks it under its own schemes
+                value = "redis" + value[len("valkey") :]
+            specs.append(TierSpec(name, url=value))
     return tuple(specs)
 
 

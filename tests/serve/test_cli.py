@@ -108,11 +108,11 @@ def test_serve_answers_and_sigterm_drains_within_the_deadline(proc: list[_Proc])
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
-        (["--tiers", "gpu=1GiB"], {}, "tiers must name cpu, disk or redis, got 'gpu'"),
+        (["--tiers", "gpu=1GiB"], {}, "tiers must name cpu, disk, shm, redis or redis-cluster, got 'gpu'"),
         (["--tiers", "disk=/tmp/x:1GiB"], {}, "tiers must start with cpu=SIZE"),
         (["--tiers", "cpu=1GiB,disk=1GiB"], {}, "disk tier must look like disk=PATH:SIZE"),
         (["--tiers", "cpu=lots"], {}, "capacity of tier 'cpu' must be a number of bytes"),
-        (["--tiers", "cpu=1GiB,redis=localhost:6379"], {}, "redis tier must be a redis://"),
+        (["--tiers", "cpu=1GiB,redis=localhost:6379"], {}, "redis tier must be a redis://, rediss://, valkey://"),
         ([], {"AIOKV_PORT": "eighty"}, "AIOKV_PORT must be an integer, got 'eighty'"),
         (["--port", "70000"], {}, "port must be in [0, 65535], got 70000"),
         (["--model", "huge"], {}, "--model must be one of tiny, default, got 'huge'"),

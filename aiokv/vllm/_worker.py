@@ -1,0 +1,451 @@
+"""The worker side of the connector: an :class:`aiokv.Offloader` over this worker's KV tensors.
+
+The offloader and its event loop run in a thread of their own, owned by an anyio blocking portal for the
+worker's lifetime (started in ``register_kv_caches``, closed in ``shutdown``). vLLM's thread hands each
+step's jobs to that loop with one ``call_soon_threadsafe`` (``aiokv._bridge.call_in_loop``, the one path from
+a thread to the loop), in order, and blocks only where vLLM's contract needs it: a preempted request's
+blocks are free in the scheduler already, so the step that follows may not run its forward before every copy
+reading them is done. Everything else (lookups, loads, stores, the end of requests) runs on the loop, and its
+outcomes come back through thread-safe queues that the step's ``get_transfer_results``,
+``get_block_ids_with_load_errors`` and ``build_connector_worker_meta`` drain without waiting.
+
+What vLLM is told, and when:
+
+- a lookup's answer (tokens found across every tier) in the worker metadata of the step it completed in;
+- a load in ``finished_recving`` once the copy into vLLM's blocks has ended, with every block of a load that
+  did not restore everything in ``get_block_ids_with_load_errors`` of the same step (vLLM recomputes them);
+- a finished or aborted request in ``finished_sending`` once aiokv's ``finish()``/``abort()`` resolved, i.e.
+  once every copy reading its blocks ended (vLLM frees them only then);
+- a preemption before ``handle_preemptions`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from .._bridge import call_in_loop
+from ._meta import AiokvConnectorMetadata, AiokvWorkerMetadata, EndJob, LoadJob, LookupJob, StepJob
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from .._offloader import Offloader
+    from .._request import Request
+    from ._config import ConnectorConfig
+
+__all__ = ["WorkerSide", "build_layout"]
+
+_log = logging.getLogger("aiokv.vllm")
+
+# A preemption waits at most this long for the copies reading the request's blocks (they are memcpys or
+# device copies already queued; only a hung device could take this long, and then reuse would be unsafe).
+_PREEMPT_TIMEOUT_S = 300.0
+
+
+def build_layout(
+    kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, model_id: str
+) -> Any:
+    """An :class:`aiokv.KVLayout` over vLLM's per-layer KV caches, whatever the attention backend's layout:
+    each layer's cache is viewed as ``(num_blocks, bytes per block)`` raw bytes (vLLM's offloading worker
+    reads them the same way), so a block's KV is one contiguous run of bytes per layer. Layers that alias
+    the same bytes (caches overlaid by vLLM) are taken once."""
+    import torch
+
+    from .._layout import KVLayout
+    from .._errors import InvalidLayoutError
+
+    views: list[torch.Tensor] = []
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, cache in kv_caches.items():
+        if cache.shape[0] % num_blocks:
+            raise InvalidLayoutError(
+                f"KV cache of layer {name!r} has {cache.shape[0]} blocks in dimension 0, not a multiple of the "
+                f"engine's {num_blocks} blocks: this attention backend's layout is not supported"
+            )
+        ref = cache if cache.shape[0] == num_blocks else cache.unflatten(0, (num_blocks, -1))
+        elem = ref.element_size()
+        block = ref[0]
+        page = block.numel() * elem
+        if not block.is_contiguous():
+            # A permuted view: its bytes per block must still form one dense run.
+            span = 1 + sum((d - 1) * s for d, s in zip(block.shape, block.stride()) if d > 1)
+            if span != block.numel():
+                raise InvalidLayoutError(
+                    f"KV cache of layer {name!r} does not hold each block in one contiguous run of bytes"
+                )
+        stride = ref.stride(0) * elem
+        key = (ref.data_ptr(), (stride, page))
+        if key in seen:
+            continue
+        seen.add(key)
+        raw = torch.empty(0, dtype=torch.uint8, device=ref.device).set_(
+            ref.untyped_storage(), ref.storage_offset() * elem, (num_blocks, page), (stride, 1)
+        )
+        views.append(raw)
+    if not views:
+        raise InvalidLayoutError("register_kv_caches got no KV cache tensors")
+    return KVLayout(views, block_size=block_size, token_dim=None, model_id=model_id)
+
+
+class WorkerSide:
+    """Worker-role half of :class:`~aiokv.vllm.AiokvConnector` (one per worker process / rank)."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: ConnectorConfig) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.off: Offloader | None = None
+        self._portal_cm: Any = None
+        self._portal: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Loop-thread state.
+        self._reqs: dict[str, Request] = {}
+        self._pending: set[asyncio.Future[Any]] = set()
+        # Outcomes, appended on the loop thread, drained on vLLM's (deque append/popleft are atomic).
+        self._lookups_done: deque[tuple[str, int, int]] = deque()
+        self._loads_done: deque[tuple[str, list[int]]] = deque()
+        self._sent_done: deque[str] = deque()
+        self._outcome = threading.Condition()
+        self._outstanding = 0  # lookups, loads and ends not yet reported (vLLM's thread)
+        self._load_errors: set[int] = set()
+        self._step_started = 0.0
+        self._prepared: AiokvConnectorMetadata | None = None
+        self.step_errors = 0
+
+    # ------------------------------------------------------------------ lifetime
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from anyio.from_thread import start_blocking_portal
+
+        layout = build_layout(kv_caches, self.kv_cache_config.num_blocks, self.block_size, self._model_id())
+        options: dict[str, Any] = {}
+        with contextlib.suppress(ImportError):
+            import uvloop  # noqa: F401
+
+            options["use_uvloop"] = True
+        self._portal_cm = start_blocking_portal("asyncio", options)
+        self._portal = self._portal_cm.__enter__()
+        compute_stream = None
+        if layout.is_cuda:  # pragma: no cover - needs a GPU
+            from .._cuda import CudaDevice
+
+            # vLLM's forward runs on this thread's current stream: aiokv's copies are ordered against it.
+            compute_stream = CudaDevice(layout.device).current_stream()
+        try:
+            self._portal.call(self._start, layout, compute_stream)
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            self._portal = self._portal_cm = None
+            raise
+        _log.info("aiokv worker ready: %s, tiers %s", layout.describe(), self.config.tiers)
+
+    async def _start(self, layout: Any, compute_stream: Any) -> None:
+        from .._offloader import Offloader
+        from ..serve._config import parse_tiers
+
+        cfg = self.config
+        tiers = [spec.build() for spec in parse_tiers(cfg.tiers)]
+        off = Offloader(
+            layout,
+            tiers,
+            eviction=cfg.eviction,
+            write_through_max_bytes=cfg.write_through_max_bytes,
+            write_through_max_delay_s=cfg.write_through_max_delay_s,
+            lower_tier_deadline_s=cfg.lower_tier_deadline_s,
+            close_timeout=cfg.close_timeout_s,
+            load_policy=cfg.load_policy,
+            prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+            copy_threads=cfg.copy_threads,
+            kv_events_endpoint=cfg.kv_events_endpoint,
+            kv_events_replay_endpoint=cfg.kv_events_replay_endpoint,
+            compute_stream=compute_stream,
+        )
+        await off.start()
+        self.off = off
+        self._loop = asyncio.get_running_loop()
+
+    def _model_id(self) -> str:
+        if self.config.model_id is not None:
+            base = self.config.model_id
+        else:
+            mc = self.vllm_config.model_config
+            base = (
+                f"vllm/{mc.model}@{getattr(mc, 'revision', None) or 'main'}/{mc.dtype}/"
+                f"{self.vllm_config.cache_config.cache_dtype}"
+            )
+        tp_rank, tp_size, pp_rank, pp_size = _ranks(self.vllm_config)
+        return f"{base}/tp{tp_rank}of{tp_size}/pp{pp_rank}of{pp_size}"
+
+    def shutdown(self) -> None:
+        """Close the offloader (queued write-through to persistent tiers gets ``close_timeout_s``), then the
+        loop thread. Idempotent."""
+        portal, cm = self._portal, self._portal_cm
+        if portal is None:
+            return
+        self._portal = self._portal_cm = None
+        try:
+            if self.off is not None:
+                with contextlib.suppress(Exception):
+                    _log.info("aiokv worker closing: %s", self.stats())
+                portal.call(self.off.aclose)
+        finally:
+            cm.__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ each step (vLLM's thread)
+    def handle_preemptions(self, meta: AiokvConnectorMetadata) -> None:
+        """Start the step: the end of finished requests, lookups and loads are handed to the loop, and the
+        preempted requests are waited for (their blocks may be written by this step's forward)."""
+        self._step_started = time.perf_counter()
+        self._prepare(meta)
+
+    def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
+        self._prepare(meta)  # a model runner that did not call handle_preemptions
+
+    def _prepare(self, meta: AiokvConnectorMetadata) -> None:
+        if self._prepared is meta:
+            return
+        self._prepared = meta
+        if not (meta.lookups or meta.loads or meta.ended or meta.preempted):
+            return
+        self._outstanding += len(meta.lookups) + len(meta.loads) + sum(e.report for e in meta.ended)
+        waited = call_in_loop(self._running_loop(), lambda: self._on_prepare(meta))
+        if meta.preempted:
+            waited.result(_PREEMPT_TIMEOUT_S)
+
+    def wait_for_save(self, meta: AiokvConnectorMetadata) -> None:
+        """After the forward: this step's tokens and blocks, in one hand-over; stores follow on the loop."""
+        if not meta.steps:
+            return
+        sample: tuple[int, float] | None = None
+        n, pre = meta.num_scheduled_tokens, meta.num_prefill_tokens
+        if self._step_started and pre >= 2 * self.block_size and 5 * pre >= 4 * n and self.off is not None:
+            if not self.off.layout.is_cuda:  # a CUDA forward is only launched here, not done
+                sample = (pre, time.perf_counter() - self._step_started)
+        call_in_loop(self._running_loop(), lambda: self._on_steps(meta.steps, sample))
+
+    def get_transfer_results(self, idle: bool) -> tuple[set[str], set[str], set[str]]:
+        if idle and self._outstanding and not (self._lookups_done or self._loads_done or self._sent_done):
+            with self._outcome:
+                self._outcome.wait_for(
+                    lambda: bool(self._lookups_done or self._loads_done or self._sent_done),
+                    timeout=self.config.lookup_wait_s,
+                )
+        sending: set[str] = set()
+        while self._sent_done:
+            sending.add(self._sent_done.popleft())
+        recving: set[str] = set()
+        failed: set[str] = set()
+        while self._loads_done:
+            rid, bad = self._loads_done.popleft()
+            recving.add(rid)
+            if bad:
+                failed.add(rid)
+                self._load_errors.update(bad)
+        self._outstanding -= len(sending) + len(recving)
+        return sending, recving, failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> AiokvWorkerMetadata | None:
+        if not self._lookups_done:
+            return None
+        answers: dict[tuple[str, int], tuple[int, int]] = {}
+        while self._lookups_done:
+            rid, seq, tokens = self._lookups_done.popleft()
+            answers[(rid, seq)] = (1, tokens)
+            self._outstanding -= 1
+        return AiokvWorkerMetadata(lookups=answers)
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            from .._errors import ClosedError
+
+            raise ClosedError("the aiokv connector's worker is not running (register_kv_caches not called)")
+        return self._loop
+
+    # ------------------------------------------------------------------ the loop thread
+    def _report(self, queue: deque[Any], item: Any) -> None:
+        queue.append(item)
+        with self._outcome:
+            self._outcome.notify_all()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _on_prepare(self, meta: AiokvConnectorMetadata) -> None:
+        for job in meta.ended:
+            self._end(job)
+        for lookup in meta.lookups:
+            self._lookup(lookup)
+        for load in meta.loads:
+            self._load(load)
+        waits = [self._preempt(job) for job in meta.preempted]
+        if waits:
+            await asyncio.gather(*waits)
+
+    def _on_steps(self, steps: list[StepJob], sample: tuple[int, float] | None) -> None:
+        off = self.off
+        assert off is not None
+        for job in steps:
+            req = self._reqs.get(job.req_id)
+            try:
+                if req is None:  # never looked up (vLLM skipped the connector): open it now
+                    if not job.new_tokens:
+                        continue
+                    req = self._reqs[job.req_id] = off.open(job.req_id, job.new_tokens)
+                    self._catch_up(req, [], job.num_computed_tokens, job.new_blocks)
+                else:
+                    self._catch_up(req, job.new_tokens, job.num_computed_tokens, job.new_blocks)
+            except Exception:
+                self._poison(req, job.req_id)
+        if sample is not None:
+            with contextlib.suppress(Exception):
+                off.record_prefill(*sample)
+
+    def _catch_up(self, req: Request, tokens: list[int], computed: int, blocks: list[int]) -> None:
+        """Apply a step, claiming no more computed tokens than the worker knows tokens of (vLLM's asynchronous
+        scheduling reports a step before its sampled token: that block is stored by a later step)."""
+        from .._request import RequestState
+
+        if req.state in (RequestState.FINISHING, RequestState.FINISHED, RequestState.ABORTED):
+            return
+        known = len(req.token_ids) + len(tokens)
+        n = min(computed, known)
+        if req.state is RequestState.RUNNING:
+            n = max(n, req.num_computed_tokens)
+        req.step(n, tokens, blocks)
+
+    def _poison(self, req: Request | None, rid: str) -> None:
+        """The worker's view of a request and vLLM's disagree (a bug): store nothing more for it."""
+        self.step_errors += 1
+        _log.exception("aiokv: step of request %r refused; nothing more is stored for it", rid)
+        if req is not None and not req.done:
+            self._spawn(_quietly(req.abort()))
+
+    def _lookup(self, job: LookupJob) -> None:
+        off = self.off
+        assert off is not None
+        req = self._reqs.get(job.req_id)
+        try:
+            if req is None:
+                req = self._reqs[job.req_id] = off.open(
+                    job.req_id, job.new_tokens, job.salt, extra_keys=job.extra_keys
+                )
+            elif job.new_tokens:
+                req.append_tokens(job.new_tokens)
+            pending = req.lookup()
+        except Exception:
+            _log.exception("aiokv: lookup of request %r failed; answered as a miss", job.req_id)
+            self._report(self._lookups_done, (job.req_id, job.seq, 0))
+            return
+
+        async def answer() -> None:
+            try:
+                tokens = await pending
+            except Exception:
+                _log.exception("aiokv: lookup of request %r failed; answered as a miss", job.req_id)
+                tokens = 0
+            self._report(self._lookups_done, (job.req_id, job.seq, tokens))
+
+        self._spawn(answer())
+
+    def _load(self, job: LoadJob) -> None:
+        req = self._reqs.get(job.req_id)
+        expected = len(job.block_ids) * self.block_size
+        failed = job.block_ids[job.present_blocks :]
+        try:
+            if req is None:
+                raise LookupError(f"load of unknown request {job.req_id!r}")
+            pending = req.load(job.block_ids, present_blocks=job.present_blocks)
+        except Exception:
+            _log.exception("aiokv: load of request %r refused; its blocks are recomputed", job.req_id)
+            self._report(self._loads_done, (job.req_id, failed))
+            return
+
+        async def done() -> None:
+            try:
+                restored = await pending
+            except Exception:
+                _log.exception("aiokv: load of request %r failed; its blocks are recomputed", job.req_id)
+                restored = 0
+            self._report(self._loads_done, (job.req_id, [] if restored >= expected else failed))
+
+        self._spawn(done())
+
+    async def _preempt(self, job: EndJob) -> None:
+        req = self._reqs.get(job.req_id)
+        if req is None or req.done:
+            return
+        try:
+            self._catch_up(req, job.new_tokens, job.num_computed_tokens, [])
+        except Exception:
+            self._poison(req, job.req_id)
+        from .._request import RequestState
+
+        if req.state in (RequestState.FINISHING, RequestState.FINISHED, RequestState.ABORTED):
+            await _quietly(req.abort())  # resolves once its copies are done
+        else:
+            await _quietly(req.preempt())
+
+    def _end(self, job: EndJob) -> None:
+        req = self._reqs.pop(job.req_id, None)
+        if req is None or req.done:
+            if job.report:
+                self._report(self._sent_done, job.req_id)
+            return
+        from .._request import RequestState
+
+        ending: Any
+        try:
+            if job.kind == "finish" and req.state is RequestState.RUNNING:
+                self._catch_up(req, job.new_tokens, job.num_computed_tokens, [])
+            ending = req.finish() if job.kind == "finish" else req.abort()
+        except Exception:
+            _log.exception("aiokv: end of request %r refused; aborting it", job.req_id)
+            ending = req.abort()
+
+        async def done() -> None:
+            await _quietly(ending)
+            if job.report:
+                self._report(self._sent_done, job.req_id)
+
+        self._spawn(done())
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> Any:
+        """The offloader's stats snapshot, read on its loop (``None`` before ``register_kv_caches``)."""
+        if self.off is None or self._loop is None:
+            return None
+        return call_in_loop(self._loop, self.off.stats).result(10)
+
+
+async def _quietly(awaitable: Any) -> None:
+    with contextlib.suppress(Exception):
+        await awaitable
+
+
+def _ranks(vllm_config: VllmConfig) -> tuple[int, int, int, int]:
+    pc = vllm_config.parallel_config
+    tp_size, pp_size = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+    tp_rank = pp_rank = 0
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp_rank = get_tp_group().rank_in_group
+        pp_rank = get_pp_group().rank_in_group
+    except Exception:  # no distributed state (a test driving the worker directly)
+        tp_rank = int(getattr(pc, "rank", 0)) % max(tp_size, 1)
+    return tp_rank, tp_size, pp_rank, pp_size
+
