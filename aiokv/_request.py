@@ -881,8 +881,11 @@ class Request:
         return hit * bs + partial
 
     async def _do_load(self, payload: tuple[Any, ...]) -> int:
-        block_ids, mark, ticket, restored, epoch = payload[:5]
-        present = payload[5] if len(payload) > 5 else 0
+        block_ids: list[int] = payload[0]
+        mark, ticket = payload[1], payload[2]
+        restored: int = payload[3]
+        epoch: int = payload[4]
+        present: int = payload[5] if len(payload) > 5 else 0
         n = len(block_ids)
         off = self._off
         if n == 0:
@@ -917,7 +920,7 @@ class Request:
             raise
         except Exception as exc:  # a copy that cannot be submitted is a miss
             off._unpin(keys)
-            off._load_not_submitted(self.request_id, n, exc)
+            off._load_not_submitted(self.request_id, len(keys), exc)
             self._load_failed(epoch, restored)
             _settle_ticket(ticket, None)
             return 0

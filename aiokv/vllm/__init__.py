@@ -16,4 +16,10 @@ from ._config import ConnectorConfig
 from ._connector import AiokvConnector, AiokvConnectorStats
 from ._meta import AiokvConnectorMetadata, AiokvWorkerMetadata
 
-__all__ = ["AiokvConnector", "AiokvConnectorMetadata", "AiokvConnectorStats", "AiokvWorkerMetadata", "ConnectorConfig"]
+__all__ = [
+    "AiokvConnector",
+    "AiokvConnectorMetadata",
+    "AiokvConnectorStats",
+    "AiokvWorkerMetadata",
+    "ConnectorConfig",
+]

@@ -38,6 +38,8 @@ class AiokvConnectorStats(KVConnectorStats):
     """aiokv's counters for vLLM's connector stats (``data``: counter name -> value since the last
     report, summed over workers)."""
 
+    data: dict[str, Any]
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
             self.data[key] = self.data.get(key, 0) + value
@@ -77,7 +79,9 @@ class AiokvConnector(KVConnectorBase_V1):
     ``kv_connector_extra_config`` takes the keys of :class:`~aiokv.vllm.ConnectorConfig` (``tiers``,
     ``load_policy``, ...); an unknown key or a bad value fails engine start-up with an error naming it."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra_config(extra)
@@ -107,10 +111,14 @@ class AiokvConnector(KVConnectorBase_V1):
         assert self.scheduler is not None, "a scheduler-side method called on a worker connector"
         return self.scheduler
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -160,7 +168,9 @@ class AiokvConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         idle = isinstance(meta, AiokvConnectorMetadata) and meta.num_scheduled_tokens == 0
         sending, recving, failed = self._work().get_transfer_results(idle)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -51,6 +51,7 @@ class StepJob:
     new_tokens: list[int]
     new_blocks: list[int]
     num_computed_tokens: int
+    full_table: bool = False  # new_blocks is the whole table of a new admission (not an append)
 
 
 @dataclass(slots=True)

@@ -68,7 +68,9 @@ class SchedulerSide:
         self.tokens_offered = 0
 
     # ------------------------------------------------------------------ admission
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         rid = request.request_id
         t = self._reqs.get(rid)
         if t is None:
@@ -95,7 +97,9 @@ class SchedulerSide:
         ext = max(0, t.hit - num_computed_tokens)
         return ext, ext > 0
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if num_external_tokens <= 0:
             return
         t = self._reqs[request.request_id]
@@ -133,7 +137,8 @@ class SchedulerSide:
             if t is None:
                 continue
             ids = nr.block_ids[0]
-            prefill += self._step(meta, t, list(ids[t.sent_blocks :]), nst[nr.req_id])
+            full = t.sent_blocks == 0
+            prefill += self._step(meta, t, list(ids[t.sent_blocks :]), nst[nr.req_id], full)
             t.sent_blocks = len(ids)
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
@@ -143,13 +148,15 @@ class SchedulerSide:
                 continue
             per_group = cached.new_block_ids[i]
             ids = per_group[0] if per_group else []
+            full = False
             if rid in resumed:  # the whole table of the new admission
+                full = t.sent_blocks == 0
                 new = list(ids[t.sent_blocks :])
                 t.sent_blocks = len(ids)
             else:
                 new = list(ids)
                 t.sent_blocks += len(new)
-            prefill += self._step(meta, t, new, nst[rid])
+            prefill += self._step(meta, t, new, nst[rid], full)
         meta.num_prefill_tokens = prefill
         return meta
 
@@ -164,13 +171,15 @@ class SchedulerSide:
         t.sent_tokens = len(tokens)
         return new
 
-    def _step(self, meta: AiokvConnectorMetadata, t: _Tracked, new_blocks: list[int], scheduled: int) -> int:
+    def _step(
+        self, meta: AiokvConnectorMetadata, t: _Tracked, new_blocks: list[int], scheduled: int, full: bool
+    ) -> int:
         req = t.request
         before = req.num_computed_tokens
         t.computed = before + scheduled
         t.running = True
         t.opened = True
-        meta.steps.append(StepJob(req.request_id, self._new_tokens(t), new_blocks, t.computed))
+        meta.steps.append(StepJob(req.request_id, self._new_tokens(t), new_blocks, t.computed, full))
         prompt = req.num_prompt_tokens
         return min(scheduled, prompt - before) if before < prompt else 0
 
@@ -188,9 +197,18 @@ class SchedulerSide:
                     t.hit = t.fewest
         for rid in output.finished_sending or ():
             self._holding.discard(rid)
+        for rid in getattr(output, "failed_recving", None) or ():
+            t = self._reqs.get(rid)
+            if t is not None:
+                # vLLM recomputes from the first failed block (and frees the blocks if none before it was
+                # valid): this admission is offered nothing more, and its next step sends the whole table.
+                t.hit = 0
+                t.sent_blocks = 0
 
     # ------------------------------------------------------------------ the end
-    def request_finished(self, request: Request, block_ids: Iterable[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: Iterable[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         t = self._reqs.pop(rid, None)
         if t is None:

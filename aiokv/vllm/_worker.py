@@ -22,6 +22,7 @@ What vLLM is told, and when:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -50,17 +51,15 @@ _log = logging.getLogger("aiokv.vllm")
 _PREEMPT_TIMEOUT_S = 300.0
 
 
-def build_layout(
-    kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, model_id: str
-) -> Any:
+def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, model_id: str) -> Any:
     """An :class:`aiokv.KVLayout` over vLLM's per-layer KV caches, whatever the attention backend's layout:
     each layer's cache is viewed as ``(num_blocks, bytes per block)`` raw bytes (vLLM's offloading worker
     reads them the same way), so a block's KV is one contiguous run of bytes per layer. Layers that alias
     the same bytes (caches overlaid by vLLM) are taken once."""
     import torch
 
-    from .._layout import KVLayout
     from .._errors import InvalidLayoutError
+    from .._layout import KVLayout
 
     views: list[torch.Tensor] = []
     seen: set[tuple[int, tuple[int, ...]]] = set()
@@ -70,7 +69,7 @@ def build_layout(
                 f"KV cache of layer {name!r} has {cache.shape[0]} blocks in dimension 0, not a multiple of the "
                 f"engine's {num_blocks} blocks: this attention backend's layout is not supported"
             )
-        ref = cache if cache.shape[0] == num_blocks else cache.unflatten(0, (num_blocks, -1))
+        ref = cache if cache.shape[0] == num_blocks else cache.view(num_blocks, -1, *cache.shape[1:])
         elem = ref.element_size()
         block = ref[0]
         page = block.numel() * elem
@@ -98,7 +97,9 @@ def build_layout(
 class WorkerSide:
     """Worker-role half of :class:`~aiokv.vllm.AiokvConnector` (one per worker process / rank)."""
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: ConnectorConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: ConnectorConfig
+    ) -> None:
         self.config = config
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
@@ -216,7 +217,9 @@ class WorkerSide:
         if not (meta.lookups or meta.loads or meta.ended or meta.preempted):
             return
         self._outstanding += len(meta.lookups) + len(meta.loads) + sum(e.report for e in meta.ended)
-        waited = call_in_loop(self._running_loop(), lambda: self._on_prepare(meta))
+        waited: concurrent.futures.Future[None] = call_in_loop(
+            self._running_loop(), lambda: self._on_prepare(meta)
+        )
         if meta.preempted:
             waited.result(_PREEMPT_TIMEOUT_S)
 
@@ -226,9 +229,11 @@ class WorkerSide:
             return
         sample: tuple[int, float] | None = None
         n, pre = meta.num_scheduled_tokens, meta.num_prefill_tokens
-        if self._step_started and pre >= 2 * self.block_size and 5 * pre >= 4 * n and self.off is not None:
-            if not self.off.layout.is_cuda:  # a CUDA forward is only launched here, not done
-                sample = (pre, time.perf_counter() - self._step_started)
+        # A forward that was mostly prefill is a sample of the engine's prefill rate (the planner's input).
+        # Not on CUDA: there the forward is only launched by now, not done.
+        mostly_prefill = self._step_started and pre >= 2 * self.block_size and 5 * pre >= 4 * n
+        if mostly_prefill and self.off is not None and not self.off.layout.is_cuda:
+            sample = (pre, time.perf_counter() - self._step_started)
         call_in_loop(self._running_loop(), lambda: self._on_steps(meta.steps, sample))
 
     def get_transfer_results(self, idle: bool) -> tuple[set[str], set[str], set[str]]:
@@ -307,6 +312,10 @@ class WorkerSide:
                     req = self._reqs[job.req_id] = off.open(job.req_id, job.new_tokens)
                     self._catch_up(req, [], job.num_computed_tokens, job.new_blocks)
                 else:
+                    if job.full_table and req.block_ids and not req.done:
+                        # A new table for a request still holding one (a load that failed on some worker):
+                        # give the old one up first; nothing reads it (a failed load stores nothing).
+                        self._spawn(_quietly(req.preempt()))
                     self._catch_up(req, job.new_tokens, job.num_computed_tokens, job.new_blocks)
             except Exception:
                 self._poison(req, job.req_id)
@@ -448,4 +457,3 @@ def _ranks(vllm_config: VllmConfig) -> tuple[int, int, int, int]:
     except Exception:  # no distributed state (a test driving the worker directly)
         tp_rank = int(getattr(pc, "rank", 0)) % max(tp_size, 1)
     return tp_rank, tp_size, pp_rank, pp_size
-
