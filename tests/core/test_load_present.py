@@ -42,7 +42,8 @@ async def test_present_blocks_are_not_written_and_the_rest_is_restored() -> None
         assert req.block_ids == (20, 21, 22)
         for t in kv:
             assert torch.all(t[20] == 7.0)
-            assert torch.equal(t[21], t[1]) and torch.equal(t[22], t[2])
+            assert torch.equal(t[21], t[1])
+            assert torch.equal(t[22], t[2])
         assert off.stats().blocks_loaded == 2
         req.step(len(prompt), new_token_ids=[9], new_block_ids=[23])
         await req.finish()
@@ -83,7 +84,8 @@ async def test_bad_present_blocks_is_refused_and_changes_nothing(
         with pytest.raises(error) as info:
             req.load([5, 6], present_blocks=present)  # type: ignore[arg-type]
         assert str(info.value) == message
-        assert req.state is RequestState.WAITING and req.block_ids == ()
+        assert req.state is RequestState.WAITING
+        assert req.block_ids == ()
         assert await req.load([5, 6]) == 2 * BS  # the lookup still stands
         await req.abort()
 
