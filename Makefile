@@ -45,7 +45,7 @@ test-main: $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
 lint: $(STAMP)

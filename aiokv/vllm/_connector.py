@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["AiokvConnector", "AiokvConnectorStats"]
+
+_log = logging.getLogger("aiokv.vllm")
 
 
 class AiokvConnectorStats(KVConnectorStats):
@@ -96,6 +99,11 @@ class AiokvConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(vllm_config, self.config)
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # A cache's failed restore is a miss: vLLM recomputes those blocks. vLLM's default ("fail")
+                # would end the request with an error instead; the scheduler reads this after creating us.
+                _log.info("aiokv: kv_load_failure_policy set to 'recompute' (a failed restore is a miss)")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
         else:
             self.worker = WorkerSide(vllm_config, kv_cache_config, self.config)
         self._last_stats: dict[str, int] = {}

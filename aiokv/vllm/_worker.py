@@ -22,6 +22,7 @@ What vLLM is told, and when:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -146,6 +147,10 @@ class WorkerSide:
             self._portal_cm.__exit__(None, None, None)
             self._portal = self._portal_cm = None
             raise
+        # A worker process that exits without vLLM calling shutdown() still closes the offloader (queued
+        # write-through gets close_timeout_s) while its loop thread runs: atexit handlers run before daemon
+        # threads stop, and a portal left open at interpreter exit would wait for a dead loop forever.
+        atexit.register(self.shutdown)
         _log.info("aiokv worker ready: %s, tiers %s", layout.describe(), self.config.tiers)
 
     async def _start(self, layout: Any, compute_stream: Any) -> None:
@@ -192,6 +197,7 @@ class WorkerSide:
         if portal is None:
             return
         self._portal = self._portal_cm = None
+        atexit.unregister(self.shutdown)
         try:
             if self.off is not None:
                 with contextlib.suppress(Exception):
@@ -221,7 +227,12 @@ class WorkerSide:
             self._running_loop(), lambda: self._on_prepare(meta)
         )
         if meta.preempted:
-            waited.result(_PREEMPT_TIMEOUT_S)
+            self._wait_preempted(waited)
+
+    def _wait_preempted(self, preempted: concurrent.futures.Future[None]) -> None:
+        """Block vLLM's thread until every preempted request's copies have ended: vLLM freed their blocks
+        already, and this step's forward may write them."""
+        preempted.result(_PREEMPT_TIMEOUT_S)
 
     def wait_for_save(self, meta: AiokvConnectorMetadata) -> None:
         """After the forward: this step's tokens and blocks, in one hand-over; stores follow on the loop."""
