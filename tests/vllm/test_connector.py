@@ -347,6 +347,49 @@ def test_a_new_engine_finds_the_disk_tier(tmp_path: Path, async_scheduling: bool
     _finish(second, {"b": 2})
 
 
+def _two_engines_share(tiers: str, async_scheduling: bool) -> None:
+    """Engine A stores a prefix; once A's write-through reached the shared tier, engine B (its own empty CPU
+    tier) restores it from there, byte-exactly, while A still runs."""
+    from tests.tiers._servers import wait_until
+
+    a = _engine(tiers=tiers, async_scheduling=async_scheduling)
+    b = _engine(tiers=tiers, async_scheduling=async_scheduling)
+    prompt = _prompt(70, 6 * BS + 2)
+    _run_one(a, "a", prompt, 2)
+    wait_until(lambda: _stats(a).write_through_blocks >= 6, 30, "engine A's write-through")
+    _run_one(b, "b", [*prompt, 6], 2)
+    assert b.num_computed_at_start["b"] == 6 * BS
+    assert _stats(b).staged_blocks == 6
+    _finish(a, {"a": 2})
+    _finish(b, {"b": 2})
+
+
+def test_two_engines_share_one_redis(tmp_path: Path, async_scheduling: bool) -> None:
+    from tests.tiers._servers import LOOKED_FOR, ServerProcess, default_binary
+
+    binary = default_binary()
+    if binary is None:
+        pytest.skip(f"no server binary: looked for {LOOKED_FOR['redis']}; {LOOKED_FOR['valkey']}")
+    server = ServerProcess(tmp_path / "server", binary)
+    server.start()
+    try:
+        _two_engines_share(f"cpu=4MiB,redis={server.url}", async_scheduling)
+    finally:
+        server.stop()
+
+
+def test_two_engines_share_one_shared_memory_tier(tmp_path: Path, async_scheduling: bool) -> None:
+    import uuid
+
+    name = f"aiokv-test-{uuid.uuid4().hex[:12]}"
+    try:
+        _two_engines_share(f"cpu=4MiB,shm={name}:16MiB", async_scheduling)
+    finally:
+        import shutil
+
+        shutil.rmtree(f"/dev/shm/aiokv-{name}", ignore_errors=True)
+
+
 # ----------------------------------------------------------------------------- configuration
 
 
