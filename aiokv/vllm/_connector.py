@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ._config import ConnectorConfig
 from ._meta import AiokvConnectorMetadata
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["AiokvConnector", "AiokvConnectorStats"]
+__all__ = ["AiokvConnector", "AiokvConnectorStats", "AiokvPromMetrics"]
 
 _log = logging.getLogger("aiokv.vllm")
 
@@ -73,7 +73,47 @@ _STAT_FIELDS = (
     "write_through_blocks",
     "write_through_dropped",
 )
+_STAT_HELP = {
+    "hits": "blocks found by lookups (all tiers)",
+    "misses": "blocks looked up and not found",
+    "hit_tokens": "tokens found by lookups",
+    "blocks_stored": "blocks stored into the CPU tier",
+    "blocks_loaded": "blocks restored into vLLM's KV cache",
+    "load_errors": "blocks whose restore failed (vLLM recomputed them)",
+    "staged_blocks": "blocks brought from lower tiers into the CPU tier",
+    "write_through_blocks": "blocks written through to lower tiers",
+    "write_through_dropped": "blocks not written through (bounds or a slow tier)",
+}
 _STATS_INTERVAL_S = 1.0  # read the offloader's counters at most this often (one hand-over to its loop)
+
+
+class AiokvPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per aiokv counter, ``vllm:aiokv_<counter>_total`` with vLLM's engine labels,
+    fed from the connector stats the workers report (summed over workers)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[tuple[int, str], Any] = {}
+        for name in _STAT_FIELDS:
+            counter = self._counter_cls(
+                name=f"vllm:aiokv_{name}_total",
+                documentation=f"aiokv: {_STAT_HELP.get(name, name.replace('_', ' '))}",
+                labelnames=labelnames,
+            )
+            for engine_idx, values in per_engine_labelvalues.items():
+                self._counters[(engine_idx, name)] = counter.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            counter = self._counters.get((engine_idx, name))
+            if counter is not None and value > 0:
+                counter.inc(value)
 
 
 class AiokvConnector(KVConnectorBase_V1):
@@ -210,6 +250,16 @@ class AiokvConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return AiokvConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return AiokvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -433,3 +433,54 @@ def test_write_through_size_accepts_units() -> None:
         ConnectorConfig.from_extra_config({"write_through_max_bytes": "64MiB"}).write_through_max_bytes
         == 64 << 20
     )
+
+
+# ----------------------------------------------------------------------------- observability
+
+
+def test_connector_stats_and_prometheus_counters() -> None:
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    engine = _engine()
+    prompt = _prompt(80, 4 * BS + 1)
+    _run_one(engine, "a", prompt, 2)
+    engine.scheduler.reset_prefix_cache()
+    _run_one(engine, "b", [*prompt, 2], 2)
+    conn = engine.worker.connector
+    assert isinstance(conn, AiokvConnector)
+    conn._stats_read = 0.0  # the connector reads the offloader's counters at most once a second
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None
+    data = stats.reduce()
+    assert data["blocks_stored"] >= 4
+    assert data["blocks_loaded"] == 4
+    # vLLM sums the workers' reports, then feeds them to the connector's Prometheus metrics.
+    merged = AiokvConnector.build_kv_connector_stats(dict(data)).aggregate(stats)
+    assert merged.reduce()["blocks_loaded"] == 8
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = AiokvConnector.build_prom_metrics(engine.vllm_config, types, ["engine"], {0: ["0"]})
+    assert prom is not None
+    prom.observe(data, 0)
+    assert registry.get_sample_value("vllm:aiokv_blocks_loaded_total", {"engine": "0"}) == 4
+    _finish(engine, {"a": 2, "b": 2})
+
+
+def test_decide_policy_measures_the_engines_prefill_rate() -> None:
+    """load_policy="decide" (the default) learns vLLM's prefill speed from the forwards it sees."""
+    engine = make_engine(
+        64,
+        max_num_batched_tokens=256,
+        kv_connector="AiokvConnector",
+        kv_connector_module_path="aiokv.vllm",
+        kv_connector_extra_config={"tiers": "cpu=64MiB"},
+    )
+    _OPEN.append(engine)
+    _run_one(engine, "a", _prompt(90, 12 * BS), 2)
+    stats = _stats(engine)
+    assert stats.load_policy == "decide"
+    assert stats.prefill_tokens_per_s is not None
+    assert stats.prefill_tokens_per_s > 0
+    _finish(engine, {"a": 2})
