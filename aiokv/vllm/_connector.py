@@ -149,6 +149,12 @@ class AiokvConnector(KVConnectorBase_V1):
         self._last_stats: dict[str, int] = {}
         self._stats_read = 0.0
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33's sleep mode unmaps the KV cache while aiokv's copies hold views of it: refused (vLLM then
+        refuses ``enable_sleep_mode`` with this connector at start-up)."""
+        return False
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A best-effort cache: a dropped store is a later miss, never a request that must wait.
