@@ -112,8 +112,11 @@ def chat(llms: dict[str, Any], args: argparse.Namespace, seed: int) -> dict[str,
         for s in range(args.sessions):
             user = [rng.randrange(1, MODEL["vocab_size"]) for _ in range(args.user_tokens)]
             answers = []
-            for name in list(llms) if (turn + s) % 2 == 0 else list(llms)[::-1]:
+            order = list(llms)
+            rng.shuffle(order)  # seeded: no engine always runs first, or right after another
+            for name in order:
                 llm = llms[name]
+                time.sleep(args.gap_s)  # the previous engine's OpenMP threads stop spinning (KMP_BLOCKTIME)
                 prompt = histories[name][s] + user
                 t0 = time.perf_counter()
                 res = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
@@ -139,14 +142,15 @@ def decode(llms: dict[str, Any], args: argparse.Namespace) -> dict[str, list[flo
 
     sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, detokenize=False, ignore_eos=True)
     rng = random.Random(7)
-    per_token: dict[str, list[float]] = {n: [] for n in llms}
-    names = list(llms)
+    per_token: dict[str, list[float]] = {n: [] for n in ("vllm", "vllm+aiokv")}
+    names = ["vllm", "vllm+aiokv"]  # the overhead is the connector's: measured against vLLM alone only
     for rep in range(args.repeats):
         prompts = [
             [rng.randrange(1, MODEL["vocab_size"]) for _ in range(96)] for _ in range(args.decode_prompts)
         ]
         for name in names if rep % 2 == 0 else names[::-1]:  # neither engine always runs first
             llm = llms[name]
+            time.sleep(args.gap_s)
             t0 = time.perf_counter()
             res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
             dt = time.perf_counter() - t0
@@ -227,6 +231,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--no-lmcache", action="store_true", help="leave LMCache out even where it is installed")
+    p.add_argument("--gap-s", type=float, default=0.3, help="idle time before each request (not timed)")
     args = p.parse_args()
     if args.quick:
         args.sessions, args.turns, args.rounds, args.repeats = 4, 2, 1, 4
@@ -275,6 +280,7 @@ def main() -> None:
         "decode": per_token,
         "lmcache": lmcache or "not installed (make venv-lmcache)",
     }
+    llm_names = [n for n in rounds[0] if not n.startswith("_")]
     for i, rd in enumerate(rounds):
         base, ours = rd["vllm"], rd["vllm+aiokv"]
         entry: dict[str, Any] = {
@@ -306,6 +312,7 @@ def main() -> None:
                          f"{entry['vs_lmcache_ttft_p95_ratio']:.2f}x", f"{entry['vs_lmcache_throughput_ratio']:.2f}x",
                          entry["lmcache_restored_tokens"], "", "",
                          f"{pct(lmc['ttft_cold'], 0.5) / pct(ours['ttft_cold'], 0.5):.2f}x"])  # fmt: skip
+        entry["ttft_s"] = {n: {"reuse": rd[n]["ttft_reuse"], "cold": rd[n]["ttft_cold"]} for n in llm_names}
         result["rounds"].append(entry)
         rows.append([f"chat round {i + 1}", f"{entry['ttft_p50_ratio']:.2f}x", f"{entry['ttft_p95_ratio']:.2f}x",
                      f"{entry['throughput_ratio']:.2f}x", entry["cached_tokens_reuse_turns"]["vllm+aiokv"],
