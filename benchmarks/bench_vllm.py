@@ -64,6 +64,17 @@ def make_model(path: Path) -> None:
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
 
 
+def bind_all_cores() -> str:
+    """Every engine's worker binds its OpenMP threads to all the cores. vLLM's default ("auto") reserves one
+    core for the first engine of a machine and none for those started after it (it finds no core left to
+    reserve), so the first engine would compute on half the cores of a two-core machine and lose every
+    comparison by creation order alone."""
+    cores = sorted(os.sched_getaffinity(0))
+    spec = ",".join(str(c) for c in cores)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec
+    return spec
+
+
 def engine(model: Path, args: argparse.Namespace, connector: dict[str, Any] | None) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -231,6 +242,8 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--no-lmcache", action="store_true", help="leave LMCache out even where it is installed")
+    p.add_argument("--aa", action="store_true", help="A/A check: two plain engines (expect ratios near 1)")
+    p.add_argument("--aiokv-first", action="store_true", help="start the aiokv engine before the plain one")
     p.add_argument("--gap-s", type=float, default=0.3, help="idle time before each request (not timed)")
     args = p.parse_args()
     if args.quick:
@@ -244,6 +257,8 @@ def main() -> None:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"tiers": "cpu=2GiB"},
     }
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        bind_all_cores()
     lmcache = None if args.no_lmcache else _lmcache_available()
     server: subprocess.Popen[bytes] | None = None
     with tempfile.TemporaryDirectory(prefix="aiokv-bench-vllm-") as tmp:
@@ -253,7 +268,13 @@ def main() -> None:
         common.status(
             "starting the engines (vLLM alone, vLLM + aiokv" + (", vLLM + LMCache)" if lmcache else ")")
         )
-        llms = {"vllm": engine(model, args, None), "vllm+aiokv": engine(model, args, aiokv_cfg)}
+        if args.aa:  # an A/A check of the method: the "aiokv" engine is a second plain engine
+            llms = {"vllm": engine(model, args, None), "vllm+aiokv": engine(model, args, None)}
+        elif args.aiokv_first:  # creation order, to rule it out
+            second = engine(model, args, aiokv_cfg)
+            llms = {"vllm": engine(model, args, None), "vllm+aiokv": second}
+        else:
+            llms = {"vllm": engine(model, args, None), "vllm+aiokv": engine(model, args, aiokv_cfg)}
         if lmcache:
             server, port = _start_lmcache_server(Path(tmp))
             llms["vllm+lmcache"] = engine(model, args, _lmcache_cfg(port))
@@ -279,6 +300,7 @@ def main() -> None:
         "rounds": [],
         "decode": per_token,
         "lmcache": lmcache or "not installed (make venv-lmcache)",
+        "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
     }
     llm_names = [n for n in rounds[0] if not n.startswith("_")]
     for i, rd in enumerate(rounds):
