@@ -19,6 +19,11 @@ def _kv(num_blocks: int = 32) -> list[torch.Tensor]:
     return [torch.randn(num_blocks, BS, 2, 8) for _ in range(4)]
 
 
+def _offloader(kv: list[torch.Tensor]) -> Offloader:
+    layout = aiokv.KVLayout(kv, block_size=BS)
+    return Offloader(layout, tiers=[CPUTier(capacity_bytes=64 * layout.slot_bytes)])
+
+
 async def _seed(off: Offloader, tokens: list[int], blocks: list[int]) -> None:
     req = off.open("seed", tokens)
     assert await req.lookup() == 0
@@ -28,8 +33,7 @@ async def _seed(off: Offloader, tokens: list[int], blocks: list[int]) -> None:
 
 async def test_present_blocks_are_not_written_and_the_rest_is_restored() -> None:
     kv = _kv()
-    layout = aiokv.KVLayout(kv, block_size=BS)
-    async with Offloader(layout, tiers=[CPUTier(capacity_bytes=64 * layout.slot_bytes)]) as off:
+    async with _offloader(kv) as off:
         prompt = list(range(3 * BS + 5))
         await _seed(off, prompt, [0, 1, 2, 3])
         for t in kv:
@@ -51,8 +55,7 @@ async def test_present_blocks_are_not_written_and_the_rest_is_restored() -> None
 
 async def test_all_blocks_present_copies_nothing() -> None:
     kv = _kv()
-    layout = aiokv.KVLayout(kv, block_size=BS)
-    async with Offloader(layout, tiers=[CPUTier(capacity_bytes=64 * layout.slot_bytes)]) as off:
+    async with _offloader(kv) as off:
         prompt = list(range(2 * BS + 1))
         await _seed(off, prompt, [0, 1, 2])
         req = off.open("r", prompt)
@@ -75,8 +78,7 @@ async def test_bad_present_blocks_is_refused_and_changes_nothing(
     present: object, error: type[Exception], message: str
 ) -> None:
     kv = _kv()
-    layout = aiokv.KVLayout(kv, block_size=BS)
-    async with Offloader(layout, tiers=[CPUTier(capacity_bytes=64 * layout.slot_bytes)]) as off:
+    async with _offloader(kv) as off:
         prompt = list(range(2 * BS + 1))
         await _seed(off, prompt, [0, 1, 2])
         req = off.open("r", prompt)
@@ -94,8 +96,7 @@ async def test_append_tokens_lets_a_later_step_store_the_block_they_complete() -
     """Asynchronous scheduling: the step that computed token 31 is reported before token 31 is known;
     the block is stored by the next step once the token arrived, and appending alone stores nothing."""
     kv = _kv()
-    layout = aiokv.KVLayout(kv, block_size=BS)
-    async with Offloader(layout, tiers=[CPUTier(capacity_bytes=64 * layout.slot_bytes)]) as off:
+    async with _offloader(kv) as off:
         tokens = list(range(BS + 15))  # 31 tokens known
         for rid, claim in (("only-appended", False), ("stepped", True)):
             req = off.open(rid, tokens)
@@ -113,8 +114,7 @@ async def test_append_tokens_lets_a_later_step_store_the_block_they_complete() -
 
 async def test_append_tokens_to_a_preempted_request_extends_its_next_lookup() -> None:
     kv = _kv()
-    layout = aiokv.KVLayout(kv, block_size=BS)
-    async with Offloader(layout, tiers=[CPUTier(capacity_bytes=64 * layout.slot_bytes)]) as off:
+    async with _offloader(kv) as off:
         tokens = list(range(3 * BS + 1))
         await _seed(off, tokens, [0, 1, 2, 3])
         req = off.open("r", tokens[: BS + 1])
@@ -128,8 +128,7 @@ async def test_append_tokens_to_a_preempted_request_extends_its_next_lookup() ->
 
 async def test_append_tokens_after_the_end_is_refused() -> None:
     kv = _kv()
-    layout = aiokv.KVLayout(kv, block_size=BS)
-    async with Offloader(layout, tiers=[CPUTier(capacity_bytes=64 * layout.slot_bytes)]) as off:
+    async with _offloader(kv) as off:
         req = off.open("r", [1, 2, 3])
         await req.abort()
         with pytest.raises(aiokv.RequestStateError, match="append_tokens\\(\\) after the request ended"):
