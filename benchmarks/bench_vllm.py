@@ -22,6 +22,7 @@ vLLM installed (``make bench`` runs it in ``.venv-vllm``): ``python benchmarks/b
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -244,6 +245,7 @@ def main() -> None:
     p.add_argument("--no-lmcache", action="store_true", help="leave LMCache out even where it is installed")
     p.add_argument("--aa", action="store_true", help="A/A check: two plain engines (expect ratios near 1)")
     p.add_argument("--aiokv-first", action="store_true", help="start the aiokv engine before the plain one")
+    p.add_argument("--aiokv-options", default="{}", help="more kv_connector_extra_config for aiokv, as JSON")
     p.add_argument("--gap-s", type=float, default=0.3, help="idle time before each request (not timed)")
     args = p.parse_args()
     if args.quick:
@@ -255,7 +257,7 @@ def main() -> None:
         "kv_connector": "AiokvConnector",
         "kv_connector_module_path": "aiokv.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"tiers": "cpu=2GiB"},
+        "kv_connector_extra_config": {"tiers": "cpu=2GiB", **json.loads(args.aiokv_options)},
     }
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         bind_all_cores()
