@@ -9,11 +9,12 @@ the block gather/scatter with ``index_select``/``index_copy_``. The same logic r
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._errors import DeviceError, InvalidLayoutError
+from ._errors import DeviceError, InvalidArgumentError, InvalidLayoutError
 from .transfer._binding import BlockCopier, DeviceBinding
 
 if TYPE_CHECKING:
@@ -21,11 +22,45 @@ if TYPE_CHECKING:
 
     from ._layout import KVLayout
 
-__all__ = ["CudaDevice", "cuda_available"]
+__all__ = ["CudaDevice", "check_device", "cuda_available"]
 
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def check_device(spec: str, *, what: str = "device") -> torch.device:
+    """``"cuda:1"`` -> ``torch.device("cuda", 1)`` when this torch build and machine can use it; otherwise
+    :class:`InvalidArgumentError` saying why, in one line (``device 'cuda' cannot be used: torch 2.5.1+cpu is
+    built without CUDA``). Accepts ``cpu``, ``cuda``, ``cuda:N`` and ``mps``; nothing is allocated and no CUDA
+    context is created (the device count comes from the driver)."""
+    if not isinstance(spec, str):
+        raise InvalidArgumentError(
+            f"{what} must be a string such as cpu or cuda:0, got {type(spec).__name__}"
+        )
+    try:
+        dev = torch.device(spec.strip())
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise InvalidArgumentError(f"{what} must be cpu, cuda, cuda:N or mps, got {spec!r}")
+    why = None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        if not torch.backends.cuda.is_built():  # type: ignore[no-untyped-call]
+            why = f"torch {torch.__version__} is built without CUDA"
+        elif count == 0:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            why = "no CUDA device is visible" + (
+                f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+            )
+        elif dev.index is not None and dev.index >= count:
+            why = f"{count} CUDA device{'s are' if count > 1 else ' is'} visible (cuda:0 to cuda:{count - 1})"
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        why = "MPS is not available (it needs an Apple GPU and a torch built with MPS)"
+    if why is not None:
+        raise InvalidArgumentError(f"{what} {spec!r} cannot be used: {why}")
+    return dev
 
 
 class CudaDevice(DeviceBinding):

@@ -328,6 +328,12 @@ class Offloader:
                 await self._executor.aclose()
                 raise
         self._state = "running"
+        _log.debug(
+            "offloader started: %s; tiers: cpu (%d slots)%s",
+            self.layout.describe(),
+            self.cpu.stats().num_slots,
+            "".join(f", {t.name}" for t in self.lower),
+        )
 
     async def aclose(self) -> None:
         """Abort open requests, wait for their copies, flush write-through (bounded), close tiers.
@@ -906,6 +912,13 @@ class Offloader:
         c.hits += len(pinned)
         c.misses += n_keys - len(pinned)
         c.hit_tokens += len(pinned) * self.block_size
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug(
+                "lookup%s: %d of %d blocks cached",
+                "" if source is None else f" of request {source.request_id!r}",
+                len(pinned),
+                n_keys,
+            )
         return pinned, slots
 
     async def _stage_run(
@@ -1044,7 +1057,8 @@ class Offloader:
     def _deadline_missed(self, tier: BackingTier, what: str) -> None:
         self._counters.lower_tier_deadline_misses += 1
         self._log_tier.event(
-            "%s in tier %r passed the %.3g s deadline, abandoned (a miss)",
+            "%s in tier %r passed the %.3g s deadline (lower_tier_deadline_s), abandoned (a miss, its blocks are "
+            "recomputed): the tier is overloaded or hung, check it",
             what,
             tier.name,
             self._lower_tier_deadline,
@@ -1214,6 +1228,10 @@ class _WriteThrough:
         self._closing = False
         self._timer: asyncio.TimerHandle | None = None
         self._log = Throttled(_log, logging.WARNING, f"write-through to tier {tier.name!r} dropped (slow)")
+        self._log_full = Throttled(
+            _log, logging.WARNING, f"write-through to tier {tier.name!r} dropped (queue full)"
+        )
+        self._log_failed = Throttled(_log, logging.WARNING, f"write-through to tier {tier.name!r} failed")
         self.in_flight_bytes = 0
         self.written = 0
         self.dropped = 0
@@ -1252,7 +1270,8 @@ class _WriteThrough:
         self.dropped += n
         self.dropped_slow += n
         self._log.event(
-            "write-through to tier %r dropped %d blocks: %s (limit %.3g s)",
+            "write-through to tier %r dropped %d blocks: %s (limit %.3g s, write_through_max_delay_s); they "
+            "stay in the faster tiers only: the tier is slower than the stores offered to it, check its load",
             self._tier.name,
             n,
             why,
@@ -1301,11 +1320,12 @@ class _WriteThrough:
         slot_bytes = self._slot_bytes
         limit = self._max_delay
         rate = self._estimated_rate(now) if limit is not None else None
-        slow = 0
+        slow = full = 0
         for key in keys:
             ahead = self.in_flight_bytes
             if ahead + slot_bytes > self._max_bytes:
                 self.dropped += 1
+                full += 1
                 continue
             # Shed early when what is already ahead cannot drain in time; never when nothing is ahead, so a
             # tier that recovers is measured again by the next block offered.
@@ -1318,6 +1338,16 @@ class _WriteThrough:
             self.in_flight_bytes += slot_bytes
         if slow:
             self._shed(slow, f"the tier writes {rate or 0.0:.3g} B/s, too slow for what is queued")
+        if full:
+            self._log_full.event(
+                "write-through to tier %r dropped %d blocks: %d bytes already queued or being written "
+                "(write_through_max_bytes %d); they stay in the faster tiers only: the tier is slower than the "
+                "stores offered to it, check its load",
+                self._tier.name,
+                full,
+                self.in_flight_bytes,
+                self._max_bytes,
+            )
         if self._queue:
             self._idle.clear()
             self._arm()
@@ -1364,9 +1394,15 @@ class _WriteThrough:
             except asyncio.TimeoutError:
                 n = 0
                 timed_out = True
-            except Exception:
+            except Exception as exc:
                 n = 0
                 self.errors += 1
+                self._log_failed.event(
+                    "write-through to tier %r: a write of %d blocks raised, dropped: %r",
+                    self._tier.name,
+                    k,
+                    exc,
+                )
             self._batch_bytes = 0
             elapsed = self._clock() - started
             index.unpin(batch)
@@ -1421,7 +1457,8 @@ class _WriteThrough:
             self._queue.clear()
             self._queued_at.clear()
         self._idle.set()
-        self._log.flush()
+        for throttle in (self._log, self._log_full, self._log_failed):
+            throttle.flush()
 
 
 def _check_token_cap(value: object, name: str) -> None:

@@ -7,7 +7,7 @@
 See docs/replay.md and docs/serving.md. Every option and the whole trace are validated before the first replay: a bad input stops
 the command with one ``aiokv replay: error: ...`` line on stderr and exit status 2, never a traceback.
 
-Only the standard library and ``aiokv._errors`` are imported at module level; ``--help`` adds the replay
+Only the standard library, ``aiokv._errors`` and ``aiokv._units`` are imported at module level; ``--help`` adds the replay
 modules (for the model presets) and the serve options (standard library only); rich, matplotlib, torch and
 the web stack are imported by the run that uses them.
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._errors import AiokvError, InvalidArgumentError, MissingDependencyError
+from ._units import parse_assignments as _parse_assignments
 from ._version import __version__
 
 if TYPE_CHECKING:
@@ -59,19 +60,6 @@ def _one_line(text: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- replay
-def _parse_assignments(text: str, what: str) -> list[tuple[str, str]]:
-    """``"cpu=64GiB,disk=1TiB"`` -> ``[("cpu", "64GiB"), ("disk", "1TiB")]``; a name may appear once."""
-    out: list[tuple[str, str]] = []
-    for part in text.split(","):
-        name, sep, value = part.partition("=")
-        if not sep or not name.strip() or not value.strip():
-            raise InvalidArgumentError(f"{what} must look like name=value[,name=value...], got {text!r}")
-        if name.strip() in (n for n, _ in out):
-            raise InvalidArgumentError(f"{what} must name {name.strip()!r} only once, got {text!r}")
-        out.append((name.strip(), value.strip()))
-    return out
-
-
 _SYNTHETIC_INTS = ("sessions", "turns", "system_prompts", "system_blocks", "seed")
 _SYNTHETIC_FLOATS = ("sessions_per_s", "think_s")
 
@@ -145,7 +133,9 @@ def _add_replay(sub: Any) -> None:
         "--prefill-tokens-per-s", type=float, default=None, help="override the model's prefill speed"
     )
     p.add_argument(
-        "--bandwidth", default=None, help="tier read bandwidths, NAME=25GB/s,... (defaults by name)"
+        "--bandwidth",
+        default=None,
+        help="tier read bandwidths, NAME=25GB/s or NAME=10Gbit/s,... (defaults by name)",
     )
     p.add_argument(
         "--load-policy",
@@ -175,6 +165,7 @@ def _add_replay(sub: Any) -> None:
         help="save hit ratio vs capacity per policy (matplotlib; .png, .svg, .pdf, ...)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_log_arguments(p)
     p.set_defaults(func=_run_replay)
 
 
@@ -473,10 +464,66 @@ def _report(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace, results: 
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    plan = _plan_replay(args)
-    trace = _load_trace(args)
-    results = _execute(args, plan, trace)
-    return _report(args, plan, trace, results)
+    import time
+
+    from ._log import configured, get_logger
+
+    level, fmt = _log_settings(args)
+    with configured(level, fmt):
+        log = get_logger("replay")
+        plan = _plan_replay(args)
+        started = time.perf_counter()
+        trace = _load_trace(args)
+        log.info(
+            "trace %s: %d requests, %d block refs, %d unique blocks (read in %.2f s)",
+            trace.name,
+            len(trace),
+            trace.block_refs,
+            trace.unique_blocks,
+            time.perf_counter() - started,
+        )
+        started = time.perf_counter()
+        results = _execute(args, plan, trace)
+        log.info("%d replays in %.2f s", len(results), time.perf_counter() - started)
+        return _report(args, plan, trace, results)
+
+
+# ------------------------------------------------------------------------------------------------ logging
+def _add_log_arguments(p: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--log-format`` of ``aiokv replay`` (``aiokv serve`` has them in its OPTIONS)."""
+    from ._log import FORMATS, LEVELS
+
+    p.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default=None,
+        help="log level of the lines on stderr (default: warning) [AIOKV_LOG_LEVEL]",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default=None,
+        help="log lines as text or one JSON object per line (default: text) [AIOKV_LOG_FORMAT]",
+    )
+
+
+def _log_settings(args: argparse.Namespace, default_level: str = "warning") -> tuple[str, str]:
+    """The log level and format: the flag, else its ``AIOKV_*`` variable, else the default."""
+    from ._log import FORMATS, LEVELS
+
+    chosen = []
+    for field, env, choices, default in (
+        ("log_level", "AIOKV_LOG_LEVEL", LEVELS, default_level),
+        ("log_format", "AIOKV_LOG_FORMAT", FORMATS, "text"),
+    ):
+        value = getattr(args, field)
+        if value is None:
+            raw = os.environ.get(env)
+            value = default if raw is None else raw.strip()
+            if value not in choices:
+                raise InvalidArgumentError(f"{env} must be one of {', '.join(choices)}, got {raw!r}")
+        chosen.append(value)
+    return chosen[0], chosen[1]
 
 
 # -------------------------------------------------------------------------------------------------- serve
@@ -516,6 +563,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             __import__(module)
         except ImportError:
             raise MissingDependencyError(f"aiokv serve needs {module}: pip install 'aiokv[serve]'") from None
+    from ._log import configured
     from .serve._runner import run
 
     def ready(url: str) -> None:
@@ -526,11 +574,13 @@ def _run_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    try:
-        run(config, on_ready=ready)
-    except OSError as exc:  # a tier's files or server could not be set up
-        print(f"aiokv serve: error: {_one_line(str(exc))}", file=sys.stderr)
-        return 1
+    # One handler on stderr for aiokv's loggers and uvicorn's (uvicorn then leaves logging alone).
+    with configured(config.log_level, config.log_format, loggers=("aiokv", "uvicorn")):
+        try:
+            run(config, on_ready=ready, log_config=None)
+        except OSError as exc:  # a tier's files or server could not be set up
+            print(f"aiokv serve: error: {_one_line(str(exc))}", file=sys.stderr)
+            return 1
     return 0
 
 

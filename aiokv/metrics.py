@@ -57,6 +57,14 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 TIER_HEALTH_STATES = ("up", "degraded", "down", "unknown")
 """Values of the ``state`` label of ``aiokv:tier_health`` (exactly one is 1 per tier)."""
+_ENGINE_OUTCOMES = (
+    ("finished", "stop", "finished_stop"),  # an eos token, or the caller's stop string (TokenStream.finish)
+    ("finished", "length", "finished_length"),
+    ("aborted", "cancelled", "aborted_cancelled"),  # the caller left: a disconnect, a deadline, a drain
+    ("aborted", "shutdown", "aborted_shutdown"),  # the engine closed with it in flight
+    ("failed", "error", "failed"),  # in flight when the engine failed
+)
+"""``(outcome, reason, EngineStats field)`` of each ``aiokv:engine_requests_total`` series."""
 
 
 class _Families:
@@ -268,8 +276,9 @@ def _engine_metrics(f: _Families, s: Any) -> None:
     f.counter("engine_forward_tokens", "Token positions run through the model.", s.forward_tokens)
     f.counter("engine_forward_seconds", "Seconds spent in forwards.", s.forward_s)
     f.counter("engine_load_wait_seconds", "Seconds requests spent awaiting aiokv loads (summed).", s.load_s)
-    f.counter("engine_requests", "Requests that left the engine, by outcome.", s.finished, outcome="finished")
-    f.counter("engine_requests", "Requests that left the engine, by outcome.", s.aborted, outcome="aborted")
+    done = "Requests that left the engine, by outcome (finished, aborted, failed) and reason."
+    for outcome, reason, stat in _ENGINE_OUTCOMES:
+        f.counter("engine_requests", done, getattr(s, stat), outcome=outcome, reason=reason)
     f.counter("engine_release_errors", "Finish/preempt/abort calls that reported an error.", s.release_errors)
 
 

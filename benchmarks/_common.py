@@ -10,8 +10,10 @@ import contextlib
 import json
 import os
 import platform
+import re
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -70,7 +72,9 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
+        widths = [
+            max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)
+        ]
         print(f"\n{title}")
         print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
         for r in cells:
@@ -122,3 +126,28 @@ def peak_rss_bytes() -> int:
 def status(msg: str) -> None:
     """Progress on stderr, so stdout holds only the results."""
     print(msg, file=sys.stderr, flush=True)
+
+
+class ServeProcess:
+    """``python -m aiokv serve --port 0 ARGS...`` in a subprocess (its own GIL; no ``AIOKV_*`` variable reaches
+    it), found by the URL its ready line prints; :meth:`stop` sends SIGTERM and waits."""
+
+    def __init__(self, *args: str) -> None:
+        cmd = [sys.executable, "-m", "aiokv", "serve", "--port", "0", *args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AIOKV_")}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        m = re.search(r"on (http://\S+) ", line)
+        if m is None:
+            self.proc.kill()
+            raise SystemExit(f"the server did not start: {line!r}")
+        self.url = m.group(1)
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        self.address = (host, int(port))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()

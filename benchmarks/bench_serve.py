@@ -20,10 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -83,31 +80,12 @@ def _text(rng: random.Random, n_bytes: int) -> str:
     return " ".join(out)[:n_bytes]
 
 
-class Server:
-    """``python -m aiokv serve`` in a subprocess, found by the URL it prints, stopped with SIGTERM."""
-
-    def __init__(self, args: argparse.Namespace, offload: bool) -> None:
-        cmd = [sys.executable, "-m", "aiokv", "serve", "--port", "0", "--model", args.model,
-               "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
-               "--tiers", f"cpu={args.cpu_tier_mib}MiB", "--log-level", "warning", "--no-access-log",
-               "--max-queued-requests", "1024"]  # fmt: skip
-        if not offload:
-            cmd.append("--no-offload")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AIOKV_")}
-        self.proc = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        m = re.search(r"on (http://\S+) ", line)
-        if m is None:
-            self.proc.kill()
-            raise SystemExit(f"the server did not start: {line!r}")
-        self.url = m.group(1)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+def _server(args: argparse.Namespace, offload: bool) -> common.ServeProcess:
+    return common.ServeProcess(
+        "--model", args.model, "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
+        "--tiers", f"cpu={args.cpu_tier_mib}MiB", "--log-level", "warning", "--no-access-log",
+        "--max-queued-requests", "1024", *(() if offload else ("--no-offload",)),
+    )  # fmt: skip
 
 
 async def _turn(
@@ -140,7 +118,7 @@ async def _turn(
 async def _run_mode(args: argparse.Namespace, offload: bool) -> Mode:
     mode = Mode("offload" if offload else "recompute")
     common.status(f"  {mode.name}: starting the server")
-    server = Server(args, offload)
+    server = _server(args, offload)
     system = _text(random.Random(args.seed), args.system_bytes)
     try:
         limits = httpx.Limits(max_connections=args.sessions + 4)

@@ -110,6 +110,13 @@ class EngineStats:
     Accounting identity (exact once the engine is idle): ``admitted_tokens == cached_tokens + prefill_tokens +
     abandoned_prefill_tokens``, where an admission's prefill is every known-but-not-restored token and a
     preemption abandons the part of a prefill not computed yet.
+
+    Every request that left the engine is counted once, by outcome: ``finished`` (``finished_stop``: an eos
+    token, or its caller's :meth:`TokenStream.finish` on a stop string; ``finished_length``: ``max_tokens``),
+    ``aborted`` (``aborted_cancelled``: its caller left, i.e. a cancelled :meth:`Engine.generate` or a stream
+    closed early; ``aborted_shutdown``: :meth:`Engine.aclose` with it in flight) or ``failed`` (in flight when
+    the engine failed). ``finished == finished_stop + finished_length`` and ``aborted == aborted_cancelled +
+    aborted_shutdown``.
     """
 
     steps: int
@@ -131,6 +138,11 @@ class EngineStats:
     num_blocks: int
     forward_s: float  # time spent in forwards (worker thread)
     load_s: float  # time spent awaiting aiokv loads, summed over requests (loads may overlap)
+    finished_stop: int = 0  # eos token, or the caller's finish() (a stop string)
+    finished_length: int = 0  # max_tokens reached
+    aborted_cancelled: int = 0  # the caller left (generate() cancelled, stream closed before its end)
+    aborted_shutdown: int = 0  # in flight when the engine closed
+    failed: int = 0  # in flight when the engine failed (``Engine.failure``)
 
 
 @dataclass(eq=False, slots=True)
@@ -153,7 +165,9 @@ class _Seq:
     num_computed: int = 0
     prefill_target: int = 0  # known tokens at the latest admission
     releasing: bool = False  # a preempt is returning the blocks; not admissible until it resolves
-    abort_requested: bool = False
+    abort_requested: bool = False  # its end was requested (an abort, or a finish when finish_reason is set)
+    abort_reason: str = "cancelled"  # "cancelled" (the caller left) or "shutdown" (the engine closed)
+    outcome: str | None = None  # "finished", "aborted" or "failed" once counted in the stats
     admitted_at: float | None = None
     running_at: float | None = None  # the first admission's lookup and load are done
     first_token_at: float | None = None
@@ -281,6 +295,11 @@ class Engine:
                 "finished",
                 "aborted",
                 "release_errors",
+                "finished_stop",
+                "finished_length",
+                "aborted_cancelled",
+                "aborted_shutdown",
+                "failed",
             ),
             0,
         )
@@ -315,7 +334,7 @@ class Engine:
         self._state = "closing"
         try:
             for seq in list(self._seqs.values()):
-                self._request_abort(seq, ClosedError("engine closed"))
+                self._request_abort(seq, ClosedError("engine closed"), reason="shutdown")
             self._wakeup.set()
             assert self._loop_task is not None
             # The loop may have ended with an error or been cancelled by a failure: that is the engine's
@@ -541,11 +560,13 @@ class Engine:
         self._admit()  # blocks free now: start its lookup/load now, not after the forward in flight
         self._wakeup.set()
 
-    def _request_abort(self, seq: _Seq, exc: BaseException | None) -> None:
-        """Mark ``seq`` for abort (the loop does the work); fail its waiters with ``exc`` or cancel them."""
+    def _request_abort(self, seq: _Seq, exc: BaseException | None, reason: str = "cancelled") -> None:
+        """Mark ``seq`` for abort (the loop does the work); fail its waiters with ``exc`` or cancel them.
+        ``reason`` is what the stats count it under (``aborted_<reason>``)."""
         if seq.phase is Phase.DONE or seq.abort_requested:
             return
         seq.abort_requested = True
+        seq.abort_reason = reason
         assert seq.done is not None
         if not seq.done.done():
             if exc is None:
@@ -553,6 +574,22 @@ class Engine:
             else:
                 seq.done.set_exception(exc)
                 seq.done.exception()  # retrieved: a caller that already left must not trigger a warning
+        seq.progress.set()
+        self._wakeup.set()
+
+    def _request_finish(self, seq: _Seq) -> None:
+        """End ``seq`` as finished with ``finish_reason="stop"`` (its caller matched a stop string): the loop
+        ends it at the next step boundary, as an eos token would. Before its first token it is an abort."""
+        if seq.phase is Phase.DONE or seq.abort_requested:
+            return
+        if seq.first_token_at is None:
+            self._request_abort(seq, None)
+            return
+        seq.abort_requested = True  # nothing more is sampled or reported for it
+        seq.finish_reason = "stop"
+        assert seq.done is not None
+        if not seq.done.done():
+            seq.done.set_result(seq.result())
         seq.progress.set()
         self._wakeup.set()
 
@@ -610,6 +647,8 @@ class Engine:
     def _fail(self, exc: BaseException) -> None:
         self._failure = exc
         for seq in self._seqs.values():
+            # Counted now: the loop that would end them is gone. One whose end was requested counts as that.
+            self._count_end(seq, failed=not seq.abort_requested)
             if seq.done is not None and not seq.done.done():
                 seq.done.set_exception(exc)
                 seq.done.exception()
@@ -696,7 +735,10 @@ class Engine:
                 self._running.remove(seq)
             elif seq.phase is Phase.WAITING:
                 self._waiting.remove(seq)
-            self._end(seq, "abort")
+            # A finish the caller asked for (a stop string) releases as an eos finish would (aiokv stores its
+            # computed blocks); one that holds no blocks of a running request (preempted, waiting) aborts.
+            finish = seq.finish_reason is not None and seq.phase is Phase.RUNNING
+            self._end(seq, "finish" if finish else "abort")
 
     def _admit(self) -> None:
         """Start admissions in arrival order while blocks for the whole known context are free.
@@ -853,7 +895,8 @@ class Engine:
             self._counts["forward_tokens"] += n
             seq.num_computed = end
             token = -1
-            if sample is not None:
+            # Nothing is sampled for a request that is ending (aborted, or finished early by its caller).
+            if sample is not None and not seq.abort_requested:
                 token, logits = sample
                 seq.tokens.append(token)
                 seq.last_logits = logits
@@ -870,19 +913,33 @@ class Engine:
                     seq.finish_reason = "length"
                 if seq.finish_reason is not None:
                     self._running.remove(seq)
-                    self._counts["finished"] += 1
                     assert seq.done is not None
                     if not seq.done.done():
                         seq.done.set_result(seq.result())
                     self._end(seq, "finish")
 
     def _end(self, seq: _Seq, how: str) -> None:
-        if how == "abort":
-            self._counts["aborted"] += 1
+        self._count_end(seq)
         seq.phase = Phase.DONE
         del self._seqs[seq.request_id]
         seq.progress.set()
         self._release(seq, how)
+
+    def _count_end(self, seq: _Seq, *, failed: bool = False) -> None:
+        """Count ``seq`` once in the stats: finished (by finish reason), aborted (by reason) or failed."""
+        if seq.outcome is not None:
+            return
+        if failed:
+            seq.outcome = "failed"
+            self._counts["failed"] += 1
+        elif seq.finish_reason is not None:
+            seq.outcome = "finished"
+            self._counts["finished"] += 1
+            self._counts[f"finished_{seq.finish_reason}"] += 1
+        else:
+            seq.outcome = "aborted"
+            self._counts["aborted"] += 1
+            self._counts[f"aborted_{seq.abort_reason}"] += 1
 
     def _release(self, seq: _Seq, how: str) -> None:
         """Give ``seq``'s blocks back to the pool once aiokv says they may be reused."""
@@ -1012,6 +1069,15 @@ class TokenStream:
         if self._seq.done is None or not self._seq.done.done():
             raise InvalidArgumentError("result is available once the stream has been iterated to its end")
         return self._seq.done.result()
+
+    def finish(self) -> None:
+        """End the request now as finished with ``finish_reason="stop"``, for a caller that matched a stop
+        string in the text: it counts as finished (not aborted) in :meth:`Engine.stats`, its blocks are released
+        as an eos token would release them, and :attr:`result` holds the tokens sampled so far. Iteration ends
+        after the tokens already sampled. Before the first token it aborts the request; after the request ended
+        it does nothing."""
+        if self._started:
+            self._engine._request_finish(self._seq)
 
     async def aclose(self) -> None:
         """Abort the request unless it has finished (a stream never started has nothing to abort)."""

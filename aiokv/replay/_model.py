@@ -23,11 +23,11 @@ block is stored back into the tiers, as a restored one is staged into them).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._errors import InvalidArgumentError, InvalidTypeError
+from .._units import parse_bandwidth, parse_size  # the one grammar of sizes and bandwidths (docs/serving.md)
 
 __all__ = [
     "DEFAULT_BANDWIDTHS",
@@ -45,68 +45,6 @@ TTFT_FORMULA = (
     "(linear prefill, loads not overlapped with compute; with load_policy=decide, hits of a tier slower than "
     "recomputing, and of every tier after it, are recomputed instead)"
 )
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "p": 10**15,
-    "pb": 10**15,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "pib": 2**50,
-}
-_SIZE_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-_INFINITE = {"inf", "infinite", "unlimited"}
-_BITS_RE = re.compile(r"[KMGTP]i?b$")  # "10Gb": gigabits, a network habit
-
-
-def parse_size(text: str, *, what: str = "size") -> int | None:
-    """``"64GiB"`` -> 68719476736; decimal (kB, MB, GB, TB) and binary (KiB ... PiB) units, plain bytes, and
-    ``"inf"``/``"unlimited"`` -> ``None`` (no limit). Fractions of a byte are dropped."""
-    if not isinstance(text, str):
-        raise InvalidTypeError(f"{what} must be a string such as 64GiB, got {type(text).__name__}")
-    if text.strip().lower() in _INFINITE:
-        return None
-    m = _SIZE_RE.match(text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise InvalidArgumentError(
-            f"{what} must be a number of bytes with an optional unit such as 64GiB, got {text!r}"
-        )
-    value = float(m.group(1)) * _UNITS[unit]
-    if math.isinf(value):
-        raise InvalidArgumentError(f"{what} must be a finite number of bytes, got {text!r}")
-    if value < 1:
-        raise InvalidArgumentError(f"{what} must be at least 1 byte, got {text!r}")
-    return int(value)
-
-
-def parse_bandwidth(text: str, *, what: str = "bandwidth") -> float:
-    """``"25GB/s"`` -> 25e9 bytes per second (the ``/s`` is optional). Bandwidths are finite and in bytes:
-    ``"10Gb/s"`` (bits) is refused rather than read as bytes."""
-    if not isinstance(text, str):
-        raise InvalidTypeError(f"{what} must be a string such as 25GB/s, got {type(text).__name__}")
-    stripped = text.strip()
-    if stripped.lower().endswith("/s"):
-        stripped = stripped[:-2].rstrip()
-    if _BITS_RE.search(stripped):
-        raise InvalidArgumentError(
-            f"{what} must be in bytes per second (GB/s, not Gb/s: that is bits), got {text!r}"
-        )
-    size = parse_size(stripped, what=what)
-    if size is None:
-        raise InvalidArgumentError(f"{what} must be finite, got {text!r}")
-    return float(size)
 
 
 def format_size(n: float | None) -> str:

@@ -3,29 +3,41 @@
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, nullcontext
+from typing import Any, Protocol
 
+import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from . import _json
 from ._config import ServeConfig
 from ._schema import APIError, GenerationRequest, parse_chat_request, parse_completion_request
 from ._service import Generation, Service
+from ._tokenizer import ByteTokenizer
 
 __all__ = ["create_app"]
 
-MAX_BODY_BYTES = 32 << 20
+INLINE_BYTES = 16 << 10
+"""A generation request's body up to this size is parsed on the event loop (a few ms at worst); a larger one
+in a worker thread, where parsing gives way to the loop (:mod:`._json`)."""
+PARSE_THREADS = 1
+"""Large bodies parsed at once at most; the others wait their turn. Parsing holds the GIL, so a second thread
+would not parse faster, only take the GIL from the event loop more often."""
+VALUES_PER_TOKEN = 4
+EXTRA_VALUES = 1024
+"""A body may hold ``VALUES_PER_TOKEN * context_len + EXTRA_VALUES`` JSON values (a list of token ids counts
+as one): a chat needs about 3 per message (a message has at least 8 tokens) or per content part, so this is
+room for any request that fits the context while bounding the work and memory of one that cannot."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -111,9 +123,16 @@ class _GenerationResponse(Response):
         await self.generation.serve(receive, send)
 
 
+class _Parse(Protocol):
+    def __call__(
+        self, body: Any, tok: ByteTokenizer, *, context_len: int | None = None
+    ) -> GenerationRequest: ...
+
+
 class _API:
     def __init__(self, service: Service) -> None:
         self.service = service
+        self._parse_limiter: anyio.CapacityLimiter | None = None
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -122,12 +141,22 @@ class _API:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, parse_chat_request)
 
-    async def _generate(self, request: Request, parse: Callable[[Any, Any], GenerationRequest]) -> Response:
+    async def _generate(self, request: Request, parse: _Parse) -> Response:
+        """Sizes first, then work: the body's size is checked as it arrives, the prompt's length right after
+        parsing (before any token is read), and a large body is parsed off the event loop."""
         arrival = time.perf_counter()
         self._authorize(request)
-        self.service.check_available()
-        body = await _read_json(request)
-        req = parse(body, self.service.tokenizer)
+        svc = self.service
+        svc.check_available()
+        raw = await _read_body(request, svc.config)
+        if len(raw) <= INLINE_BYTES:
+            req = _parse_request(raw, parse, svc.tokenizer, svc.context_len)
+        else:
+            if self._parse_limiter is None:
+                self._parse_limiter = anyio.CapacityLimiter(PARSE_THREADS)
+            req = await anyio.to_thread.run_sync(
+                _parse_request, raw, parse, svc.tokenizer, svc.context_len, limiter=self._parse_limiter
+            )
         rid = request.headers.get("x-request-id")
         if rid is not None and not _REQUEST_ID.fullmatch(rid):
             rid = None
@@ -184,31 +213,46 @@ class _API:
         return Response(generate_latest(self.service.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _read_json(request: Request) -> Any:
+async def _read_body(request: Request, config: ServeConfig) -> bytes:
+    """The body, refused with 413 once it is known to exceed ``max_request_bytes`` (from ``Content-Length``,
+    before reading, or as it arrives) and with 408 when it has not arrived within ``request_timeout``."""
+    limit, timeout = config.max_request_bytes, config.request_timeout
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise APIError(
-            413,
-            f"the request body must be at most {MAX_BODY_BYTES} bytes, got {length}",
-            code="request_too_large",
-        )
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(limit, f", got {length}")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(
-                413, f"the request body must be at most {MAX_BODY_BYTES} bytes", code="request_too_large"
-            )
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise APIError(400, "the request body must be a JSON object, got an empty body")
     try:
-        return json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
+        with anyio.fail_after(timeout) if timeout > 0 else nullcontext():
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit, ", got more")
+                chunks.append(chunk)
+    except ClientDisconnect:  # nobody to answer: end the request without a traceback in the log
+        raise APIError(400, "the client closed the connection before the whole body arrived") from None
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within request_timeout={timeout:g} s",
+                       type="timeout_error", code="request_timeout") from None  # fmt: skip
+    return b"".join(chunks)
+
+
+def _too_large(limit: int, got: str) -> APIError:
+    return APIError(413, f"the request body must be at most max_request_bytes={limit} bytes{got}",
+                    code="request_too_large")  # fmt: skip
+
+
+def _parse_request(raw: bytes, parse: _Parse, tok: ByteTokenizer, context_len: int) -> GenerationRequest:
+    """JSON, then the OpenAI request (no per-token work before its sizes are checked); thread-safe."""
+    if not raw or raw.isspace():
+        raise APIError(400, "the request body must be a JSON object, got an empty body")
+    limit = VALUES_PER_TOKEN * context_len + EXTRA_VALUES
+    try:
+        body = _json.loads(raw, max_values=limit)
+    except _json.TooManyValues:
+        raise APIError(413, f"the request body must hold at most {limit} JSON values ({VALUES_PER_TOKEN} per token"
+                       f" of the {context_len}-token context, plus {EXTRA_VALUES}; a list of token ids counts as one),"
+                       " got more", code="request_too_large") from None  # fmt: skip
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN, an int of over 4300 digits
         raise APIError(400, f"the request body must be valid JSON: {exc}") from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+    return parse(body, tok, context_len=context_len)

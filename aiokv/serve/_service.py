@@ -18,6 +18,7 @@ import contextlib
 import enum
 import itertools
 import json
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
@@ -31,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .._errors import AiokvError, ClosedError, EngineError, InvalidArgumentError
+from .._log import get_logger
 from ..metrics import TTFT_BUCKETS, AiokvCollector, RequestMetrics
 from ._config import ServeConfig
 from ._schema import APIError, ChoiceResult, GenerationRequest, ResponseBuilder, usage
@@ -38,7 +40,7 @@ from ._tokenizer import ByteTokenizer, Detokenizer, StopMatcher
 
 if TYPE_CHECKING:
     from .._offloader import Offloader
-    from ..engine import Engine, TokenStream, Transformer
+    from ..engine import Engine, GenerationResult, TokenStream, Transformer
 
 __all__ = ["Generation", "Service", "ServiceState", "ServiceStats"]
 
@@ -49,6 +51,8 @@ Send = Callable[[Message], Awaitable[None]]
 FINAL_SEND_TIMEOUT = 2.0
 """Seconds the last message of an aborted request (its error) may take to reach a slow client."""
 STREAM_BUFFER = 64
+
+_log = get_logger("serve")
 
 
 class ServiceState(enum.Enum):
@@ -61,7 +65,12 @@ class ServiceState(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class ServiceStats:
-    """Request counts of a :class:`Service` (``stats()``); engine and offloader keep their own."""
+    """Request counts of a :class:`Service` (``stats()``); engine and offloader keep their own.
+
+    Every admitted request ends once, as ``requests_completed`` (``completed_stop``: every choice stopped, at an
+    eos token or a stop string; ``completed_length``: a choice reached ``max_tokens``), ``cancelled_by_client``,
+    ``cancelled_by_shutdown``, ``timed_out`` or ``failed`` (``failed_engine``: answered 503
+    ``engine_unhealthy``; ``failed_internal``: answered 500 ``internal_error``)."""
 
     state: ServiceState
     requests_in_flight: int  # HTTP generation requests being served
@@ -76,6 +85,10 @@ class ServiceStats:
     cancelled_by_shutdown: int
     timed_out: int
     failed: int
+    completed_stop: int = 0
+    completed_length: int = 0
+    failed_engine: int = 0
+    failed_internal: int = 0
 
 
 class _Ticket:
@@ -134,10 +147,14 @@ class Service:
         self._ids = itertools.count()
         self._counts = dict.fromkeys(
             ("reserved", "queued", "decoding", "accepted", "completed", "rejected_queue_full",
-             "rejected_unavailable", "client", "shutdown", "timeout", "failed"),
+             "rejected_unavailable", "client", "shutdown", "timeout", "failed", "completed_stop",
+             "completed_length", "failed_engine", "failed_internal"),
             0,
         )  # fmt: skip
         self.started_at = 0.0
+        self._drain_started: float | None = None  # monotonic time the drain began (logged once, with its end)
+        self._drain_aborted = 0
+        self._drain_reported = False
 
     # ------------------------------------------------------------------ lifetime
     async def __aenter__(self) -> Service:
@@ -207,16 +224,42 @@ class Service:
         """Stop admitting; give in-flight requests ``grace`` seconds (default: ``config.drain_timeout``) to
         finish, then abort the rest (their clients get a 503 error) and wait for them to leave. Returns once no
         request is in flight (or, should one not leave, a few seconds after the grace period)."""
+        grace = self.config.drain_timeout if grace is None else grace
         if self._state in (ServiceState.READY, ServiceState.STARTING):
             self._state = ServiceState.DRAINING
             self._notify()
-        grace = self.config.drain_timeout if grace is None else grace
+            self._drain_started = time.monotonic()
+            _log.info(
+                "draining: %d requests in flight get up to %g s to finish; new requests are refused (503)",
+                len(self._tickets),
+                grace,
+            )
         with anyio.move_on_after(grace):
             await self.wait_for(lambda s: s.requests_in_flight == 0)
-        for ticket in list(self._tickets):
+        aborted = list(self._tickets)
+        for ticket in aborted:
             ticket.cancel("shutdown")
+        if aborted:
+            self._drain_aborted += len(aborted)
+            _log.warning(
+                "drain: aborted %d requests still in flight %.1f s after the drain began (their clients get a "
+                "503 'shutdown' error): raise --drain-timeout (AIOKV_DRAIN_TIMEOUT, now %g s) to let them finish",
+                len(aborted),
+                time.monotonic() - (self._drain_started or time.monotonic()),
+                self.config.drain_timeout,
+            )
         with anyio.move_on_after(FINAL_SEND_TIMEOUT + 1.0):
             await self.wait_for(lambda s: s.requests_in_flight == 0)
+        if self._drain_started is not None and not self._drain_reported:
+            self._drain_reported = True
+            left = len(self._tickets)
+            _log.log(
+                logging.WARNING if left else logging.INFO,
+                "drain: done in %.1f s, %d requests aborted%s",
+                time.monotonic() - self._drain_started,
+                self._drain_aborted,
+                f", {left} did not end and are abandoned" if left else "",
+            )
 
     async def aclose(self) -> None:
         """Drain (bounded by ``config.drain_timeout``), then close the engine, then the offloader.
@@ -284,6 +327,10 @@ class Service:
             cancelled_by_shutdown=c["shutdown"],
             timed_out=c["timeout"],
             failed=c["failed"],
+            completed_stop=c["completed_stop"],
+            completed_length=c["completed_length"],
+            failed_engine=c["failed_engine"],
+            failed_internal=c["failed_internal"],
         )
 
     async def wait_for(self, predicate: Callable[[ServiceStats], bool]) -> ServiceStats:
@@ -396,10 +443,14 @@ class Service:
             )
         return req.max_tokens
 
-    def _release(self, ticket: _Ticket, outcome: str) -> None:
+    def _release(self, ticket: _Ticket, outcome: str, detail: str | None = None) -> None:
+        """``ticket`` leaves; its request ended as ``outcome`` (a count's name), and ``detail`` (a count's
+        name too: ``completed_<finish reason>``, ``failed_<kind>``) when the outcome has several."""
         self._tickets.discard(ticket)
         self._counts["reserved"] -= ticket.reserved
         ticket.reserved = 0
+        if detail is not None:
+            self._counts[detail] += 1
         self._count(outcome)
 
 
@@ -501,7 +552,18 @@ class Generation:
                 with anyio.move_on_after(FINAL_SEND_TIMEOUT), contextlib.suppress(OSError):
                     await self._send_error(send, self._error(outcome))
         finally:
-            svc._release(ticket, outcome)
+            svc._release(ticket, outcome, self._detail(outcome))
+
+    def _detail(self, outcome: str) -> str | None:
+        """The count under ``outcome`` this request adds to: the finish reason of a completed request (``length``
+        when a choice reached ``max_tokens``), the kind of error of a failed one."""
+        if outcome == "completed":
+            length = any(c.finish_reason == "length" for c in self.choices)
+            return "completed_length" if length else "completed_stop"
+        if outcome == "failed":
+            exc = next((c.error for c in self.choices if c.error is not None), None)
+            return "failed_engine" if isinstance(exc, (ClosedError, EngineError)) else "failed_internal"
+        return None
 
     def _headers(self, extra: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         return [*extra, (b"x-request-id", self.request_id.encode())]
@@ -551,6 +613,7 @@ class Generation:
         svc = self._service
         async with tx:
             entered = False
+            matched = False  # ended on a stop string (an eos token also has finish_reason "stop")
             text = ""
             first = False
             try:
@@ -571,7 +634,15 @@ class Generation:
                                 svc.request_metrics.observe_first_token(now - self._arrival)
                             text, stopped = c.stop.push(c.detok.push(token_id))
                             if stopped:
+                                # A stop string is a normal end: the engine counts the request as finished
+                                # (reason "stop", not aborted) and releases it as at an eos token.
                                 c.finish_reason = "stop"
+                                matched = True
+                                tokens.finish()
+                                try:
+                                    result: GenerationResult | None = tokens.result
+                                except Exception:  # it ended otherwise meanwhile (engine closed or failed)
+                                    result = None
                                 break
                             if text or first:
                                 await tx.send(_Event(c, text, first=first))
@@ -579,6 +650,7 @@ class Generation:
                         else:
                             result = tokens.result
                             c.finish_reason = result.finish_reason
+                        if result is not None:
                             c.cached_tokens = result.cached_tokens
                             c.queued_s = result.queued_s
                             c.admission_s = result.admission_s
@@ -587,9 +659,7 @@ class Generation:
                         svc._count("decoding" if c.tokens else "queued", -1)
                     if c.finish_reason == "stop" and c.tokens and c.cached_tokens == 0:
                         c.cached_tokens = int(getattr(tokens, "cached_tokens", 0) or 0)
-                if (
-                    c.finish_reason != "stop"
-                ):  # ran to its end: what the detokenizer and the matcher held back
+                if not matched:  # ran to its end: what the detokenizer and the matcher held back
                     tail, _ = c.stop.push(c.detok.flush())
                     text += tail + c.stop.flush()
             except Exception as exc:
@@ -729,12 +799,19 @@ class _ServiceCollector(Collector):
         yield phases
         done = CounterMetricFamily(
             "aiokv:server_requests",
-            "HTTP generation requests that ended, by outcome.",
-            labels=[*names, "outcome"],
+            "HTTP generation requests that ended, by outcome and reason (a finish reason or an error code).",
+            labels=[*names, "outcome", "reason"],
         )
-        for outcome, v in (("completed", s.requests_completed), ("cancelled_by_client", s.cancelled_by_client),
-                           ("cancelled_by_shutdown", s.cancelled_by_shutdown), ("timed_out", s.timed_out), ("failed", s.failed)):  # fmt: skip
-            done.add_metric([*values, outcome], v)
+        for outcome, reason, v in (
+            ("completed", "stop", s.completed_stop),
+            ("completed", "length", s.completed_length),
+            ("cancelled_by_client", "client_disconnect", s.cancelled_by_client),
+            ("cancelled_by_shutdown", "shutdown", s.cancelled_by_shutdown),
+            ("timed_out", "request_timeout", s.timed_out),
+            ("failed", "engine_unhealthy", s.failed_engine),
+            ("failed", "internal_error", s.failed_internal),
+        ):
+            done.add_metric([*values, outcome, reason], v)
         yield done
         rejected = CounterMetricFamily(
             "aiokv:server_requests_rejected",

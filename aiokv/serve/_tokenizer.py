@@ -63,8 +63,26 @@ class ByteTokenizer:
         return f"<|reserved_{index - len(SPECIAL_TOKENS)}|>"
 
     def decode(self, token_ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
-        detok = Detokenizer(self, skip_special_tokens=skip_special_tokens)
-        return "".join(detok.push(t) for t in token_ids) + detok.flush()
+        """The text of ``token_ids``, as :class:`Detokenizer` would give it token by token (invalid UTF-8 as
+        U+FFFD), in whole-sequence operations: the bytes are decoded at once, not a token at a time."""
+        ids = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids)
+        if not ids:
+            return ""
+        if max(ids) < NUM_BYTES:
+            return bytes(ids).decode("utf-8", errors="replace")
+        if skip_special_tokens:  # the bytes on either side of a dropped token join up
+            return bytes([t for t in ids if t < NUM_BYTES]).decode("utf-8", errors="replace")
+        parts: list[str] = []
+        run = bytearray()
+        for t in ids:
+            if t < NUM_BYTES:
+                run.append(t)
+            else:  # a special token ends the bytes before it
+                parts.append(run.decode("utf-8", errors="replace"))
+                parts.append(self.token_text(t))
+                run.clear()
+        parts.append(run.decode("utf-8", errors="replace"))
+        return "".join(parts)
 
     def apply_chat_template(
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .._errors import CapacityError, ClosedError, InvalidArgumentError, InvalidTypeError, TierLockedError
-from .._log import Throttled, get_logger
+from .._log import Throttled, Transitions, get_logger
 from ._base import BackingTier, TierSpec, check_buffers
 from ._catalog import CatalogStats, Reservation, SharedCatalog, catalog_geometry
 from ._format import (
@@ -561,8 +561,7 @@ class DiskTier(BackingTier):
         self._probing = False
         self._meta_pending: dict[str, Any] | None = None
         where = f"disk tier {str(self.path)!r}"
-        self._log_degraded = Throttled(_log, logging.WARNING, f"{where}: degraded again")
-        self._log_up = Throttled(_log, logging.INFO, f"{where}: up again")
+        self._log_health = Transitions(_log, where)
         self._log_corrupt = Throttled(_log, logging.WARNING, f"{where}: corrupt entries dropped")
         self._log_io = Throttled(_log, logging.WARNING, f"{where}: failed I/O")
 
@@ -893,7 +892,7 @@ class DiskTier(BackingTier):
             _, was_cancelled = await _wait_thread(fut)
             cancelled = cancelled or was_cancelled
         self._release()
-        for throttle in (self._log_degraded, self._log_up, self._log_corrupt, self._log_io):
+        for throttle in (self._log_health, self._log_corrupt, self._log_io):
             throttle.flush()
         if cancelled:
             raise asyncio.CancelledError
@@ -978,14 +977,25 @@ class DiskTier(BackingTier):
         if health is previous:
             return
         where = str(self.path)
+        log = self._log_health
         if health is TierHealth.UP:
-            self._log_up.event("disk tier %r is up again (was %s)", where, previous.value)
+            log.changed("up", logging.INFO, "disk tier %r is up again (was %s)", where, previous.value)
         elif health is TierHealth.DEGRADED:
-            self._log_degraded.event("disk tier %r degraded: %s", where, self._last_error)
+            log.changed(
+                "degraded",
+                logging.WARNING,
+                "disk tier %r degraded: %s; failed reads are misses and failed stores are dropped: check the "
+                "disk, its free space and the directory's permissions (the tier keeps trying on every call)",
+                where,
+                self._last_error,
+            )
         else:
-            _log.warning(
+            log.changed(
+                "down",
+                logging.WARNING,
                 "disk tier %r is down: cannot set up the directory (%s); lookups miss and stores are "
-                "dropped until a retry (on a store, after %.0f s or more) succeeds",
+                "dropped until a retry (on a store, after %.0f s or more) succeeds: check that the directory "
+                "can be created and written, and that the filesystem has space",
                 where,
                 self._last_error,
                 self._retry_backoff,
@@ -1128,7 +1138,8 @@ class DiskTier(BackingTier):
             else:
                 self._c["corrupt"] += 1
                 self._log_corrupt.event(
-                    "disk tier %r: entry %s failed verification (%s), dropped",
+                    "disk tier %r: entry %s failed verification (%s), dropped; a miss, its blocks are "
+                    "recomputed (if this repeats: something else writes the tier's files, or the disk is failing)",
                     str(self.path),
                     bad.hex()[:16],
                     verdict.value,

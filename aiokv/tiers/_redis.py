@@ -69,7 +69,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     _IMPORT_ERROR = exc
 
 from .._errors import ClosedError, InvalidArgumentError, InvalidTypeError, MissingDependencyError
-from .._log import Throttled, get_logger
+from .._log import Throttled, Transitions, get_logger
 from ._base import BackingTier, TierSpec, check_buffers
 from ._format import (
     HEADER_SIZE,
@@ -435,9 +435,7 @@ class RedisTier(BackingTier):
     def _init_logs(self) -> None:
         where = f"redis tier {_redact(self.url)!r} namespace {self.namespace!r}"
         self._where = where
-        self._log_degraded = Throttled(_log, logging.WARNING, f"{where}: degraded again")
-        self._log_down = Throttled(_log, logging.WARNING, f"{where}: down again")
-        self._log_up = Throttled(_log, logging.INFO, f"{where}: up again")
+        self._log_health = Transitions(_log, where)
         self._log_io = Throttled(_log, logging.WARNING, f"{where}: failed round trips")
         self._log_corrupt = Throttled(_log, logging.WARNING, f"{where}: corrupt values dropped")
         self._log_rejected = Throttled(_log, logging.WARNING, f"{where}: values refused by the server")
@@ -569,9 +567,7 @@ class RedisTier(BackingTier):
             return
         self._closed = True
         for throttle in (
-            self._log_degraded,
-            self._log_down,
-            self._log_up,
+            self._log_health,
             self._log_io,
             self._log_corrupt,
             self._log_rejected,
@@ -778,14 +774,26 @@ class RedisTier(BackingTier):
         state = breaker.state
         if state is before:
             return
+        log = self._log_health
         if state is TierHealth.UP:
-            self._log_up.event("%s is up again (was %s)", self._where, before.value)
+            log.changed("up", logging.INFO, "%s is up again (was %s)", self._where, before.value)
         elif state is TierHealth.DEGRADED:
-            self._log_degraded.event("%s degraded: %s", self._where, self._last_error)
+            log.changed(
+                "degraded",
+                logging.WARNING,
+                "%s degraded: %s; failed calls are misses and dropped writes: check the server's load and the "
+                "network (down after %d consecutive failures)",
+                self._where,
+                self._last_error,
+                breaker._failures_to_down,
+            )
         else:
-            self._log_down.event(
+            log.changed(
+                "down",
+                logging.WARNING,
                 "%s is down after %d consecutive failures (%s): calls are answered locally (misses, dropped "
-                "writes) and the server is probed again in %.1f s",
+                "writes) and the server is probed again in %.1f s: check that the server runs and is reachable "
+                "from here (address, port, TLS, credentials)",
                 self._where,
                 breaker.failures,
                 self._last_error,
@@ -868,7 +876,8 @@ class RedisTier(BackingTier):
                 if verdict is not Verdict.OK:
                     self._c["corrupt"] += 1
                     self._log_corrupt.event(
-                        "%s: value of %s failed verification (%s), deleted",
+                        "%s: value of %s failed verification (%s), deleted; a miss, its blocks are recomputed "
+                        "(if this repeats: something else writes keys of this namespace)",
                         self._where,
                         key.hex()[:16],
                         verdict.value,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .._errors import InvalidArgumentError
+from .._log import LEVELS as _LOG_LEVELS
 
 __all__ = ["ConnectorConfig"]
 
@@ -28,7 +29,8 @@ class ConnectorConfig:
     tiers: str = "cpu=4GiB"
     """The tier hierarchy in the grammar of ``aiokv serve --tiers``: ``cpu=SIZE`` first, then any of
     ``disk=PATH:SIZE``, ``shm=NAME:SIZE``, ``redis=URL`` / ``redis-cluster=URL`` (``valkey://`` too). Sizes
-    are per worker (per tensor-parallel rank)."""
+    are per worker (per tensor-parallel rank), in bytes (``64GiB``, ``500MB``; ``64Gb`` is refused as
+    ambiguous). A disk tier's directory must exist unless ``create_dirs`` is true."""
     load_policy: str = "decide"
     """``"decide"``: restore a cached prefix only where that is measured to beat recomputing it (the engine's
     prefill rate is measured from its forwards); ``"always"``: restore every hit."""
@@ -60,14 +62,27 @@ class ConnectorConfig:
     lookup_wait_s: float = 0.002
     """How long a worker step with nothing to compute waits for a lookup or load still in progress before
     it returns (saves the engine from spinning on empty steps while a slow tier answers)."""
+    create_dirs: bool = False
+    """Create a disk tier's directory (and its parents) when it does not exist; by default a missing directory
+    is refused, as most often it is a typo that would start a new, empty cache elsewhere."""
+    log_level: str | None = None
+    """Level of aiokv's lines in vLLM's output (``"debug"``, ``"info"``, ``"warning"``, ``"error"``,
+    ``"critical"``); default: vLLM's (``VLLM_LOGGING_LEVEL``). Ignored when the application configured the
+    ``"aiokv"`` logger itself."""
 
     def __post_init__(self) -> None:
-        from ..serve._config import parse_tiers
+        from ..serve._config import check_tier_paths, parse_tiers
         from ..tiers._policies import policy_names
 
         _check_str("tiers", self.tiers)
+        if not isinstance(self.create_dirs, bool):
+            raise _bad("create_dirs", f"must be true or false, got {self.create_dirs!r}")
         try:
-            parse_tiers(self.tiers)
+            check_tier_paths(
+                parse_tiers(self.tiers),
+                create_dirs=self.create_dirs,
+                how_to_create="set kv_connector_extra_config['create_dirs'] = true",
+            )
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"kv_connector_extra_config['tiers']: {exc}") from None
         if self.load_policy not in _LOAD_POLICIES:
@@ -91,6 +106,8 @@ class ConnectorConfig:
             _check_seconds("prefill_tokens_per_s", self.prefill_tokens_per_s, positive=True, what="a number")
         if self.copy_threads is not None:
             _check_int("copy_threads", self.copy_threads, minimum=1)
+        if self.log_level is not None and self.log_level not in _LOG_LEVELS:
+            raise _bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -110,9 +127,10 @@ class ConnectorConfig:
             )
         values = dict(extra)
         if isinstance(values.get("write_through_max_bytes"), str):
-            from ..replay._model import parse_size
+            from .._units import parse_size
 
-            size = parse_size(values["write_through_max_bytes"], what="write_through_max_bytes")
+            key = "kv_connector_extra_config['write_through_max_bytes']"
+            size = parse_size(values["write_through_max_bytes"], what=key)
             if size is None:
                 raise _bad("write_through_max_bytes", "must be finite")
             values["write_through_max_bytes"] = size

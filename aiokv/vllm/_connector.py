@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from .._log import adopt_vllm_handlers
 from ._config import ConnectorConfig
 from ._meta import AiokvConnectorMetadata
 from ._scheduler import SchedulerSide
@@ -128,6 +129,8 @@ class AiokvConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra_config(extra)
+        # aiokv's lines in vLLM's output, in its format (unless the application configured logging itself).
+        adopt_vllm_handlers(self.config.log_level)
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
         if len(groups) > 1:
             from .._errors import InvalidArgumentError

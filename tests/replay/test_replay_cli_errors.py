@@ -449,12 +449,12 @@ def test_plot_write_failure_after_the_run_is_one_line(
         (["--bandwidth", "cpu=inf"], "bandwidth of tier 'cpu' must be finite, got 'inf'"),
         (
             ["--bandwidth", "cpu=1e400GB/s"],
-            "bandwidth of tier 'cpu' must be a finite number of bytes, got '1e400GB'",
+            "bandwidth of tier 'cpu' must be a finite number of bytes per second, got '1e400GB/s'",
         ),
         (
             ["--bandwidth", "cpu=nan"],
-            "bandwidth of tier 'cpu' must be a number of bytes with an optional unit "
-            "such as 64GiB, got 'nan'",
+            "bandwidth of tier 'cpu' must be a number with an optional unit "
+            "such as 25GB/s or 10Gbit/s, got 'nan'",
         ),
         (["--prefill-tokens-per-s", "inf"], "prefill-tokens-per-s must be > 0 and finite, got inf"),
         (["--prefill-tokens-per-s", "nan"], "prefill-tokens-per-s must be > 0 and finite, got nan"),
@@ -526,8 +526,8 @@ def test_api_refuses_non_finite_bandwidth_and_speed() -> None:
         (["--policy", "lru,arc,lru"], "policy must name 'lru' only once, got 'lru,arc,lru'"),
         (
             ["--bandwidth", "redis=10Gb/s"],
-            "bandwidth of tier 'redis' must be in bytes per second (GB/s, not "
-            "Gb/s: that is bits), got '10Gb/s'",
+            "bandwidth of tier 'redis' must say bytes or bits, got '10Gb/s' (a lower-case b is ambiguous): "
+            "write 10GB/s for bytes or 10Gbit/s for bits per second",
         ),
         (
             ["--bandwidth", "cpu=1GB/s,cpu=2GB/s"],

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 import pytest
 
 from ._server import ServerThread, config
+from ._subproc import ServeProcess
 
 
 @pytest.fixture(scope="module", params=["asyncio", "uvloop"])
@@ -23,3 +24,12 @@ def plain_server() -> Iterator[ServerThread]:
     yield server
     server.stop()
     assert server.leaked == []
+
+
+@pytest.fixture
+def servers() -> Iterator[list[ServeProcess]]:
+    """Append the :class:`ServeProcess` instances a test starts: each is closed at the end."""
+    started: list[ServeProcess] = []
+    yield started
+    for s in started:
+        s.close()

@@ -3,83 +3,42 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-URL = re.compile(r"on (http://\S+) ")
+from ._subproc import ROOT, ServeProcess, env
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIOKV_")}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
-
-
-def _run(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: float = 60, **extra_env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "aiokv", "serve", *args],
         cwd=ROOT,
-        env=_env(**env),
+        env=env(**extra_env),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
 
 
-class _Proc:
-    def __init__(self, *args: str, **env: str) -> None:
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "aiokv", "serve", "--model", "tiny", "--port", "0", "--num-blocks", "128",
-             "--tiers", "cpu=32MiB", *args],
-            cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        self.err: list[str] = []
-        self._drain = threading.Thread(target=self._read, args=(self.p.stderr,), daemon=True)
-        self._drain.start()
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()  # blocks until the ready line (or exit)
-        m = URL.search(line)
-        assert m, f"no ready line: {line!r} {''.join(self.err)}"
-        self.url = m.group(1)
-
-    def _read(self, f: IO[str] | None) -> None:
-        assert f is not None
-        self.err.extend(f)
-
-    def stop(self, timeout: float) -> int:
-        self.p.send_signal(signal.SIGTERM)
-        rc = self.p.wait(timeout)
-        self._drain.join(5)
-        return rc
-
-
-@pytest.fixture
-def proc() -> Iterator[list[_Proc]]:
-    procs: list[_Proc] = []
-    yield procs
-    for p in procs:
-        if p.p.poll() is None:
-            p.p.kill()
-            p.p.wait(10)
-        for f in (p.p.stdout, p.p.stderr):
-            if f is not None:
-                f.close()
-
-
-def test_serve_answers_and_sigterm_drains_within_the_deadline(proc: list[_Proc]) -> None:
-    srv = _Proc("--drain-timeout", "1", "--log-level", "info", "--num-blocks", "520", AIOKV_MAX_NUM_SEQS="4")
-    proc.append(srv)
+def test_serve_answers_and_sigterm_drains_within_the_deadline(servers: list[ServeProcess]) -> None:
+    srv = ServeProcess(
+        "--tiers",
+        "cpu=32MiB",
+        "--drain-timeout",
+        "1",
+        "--log-level",
+        "info",
+        "--num-blocks",
+        "520",
+        AIOKV_MAX_NUM_SEQS="4",
+    )
+    servers.append(srv)
     with httpx.Client(base_url=srv.url, timeout=30) as http:
         assert http.get("/ready").json() == {"status": "ready"}
         done = http.post(
@@ -98,9 +57,9 @@ def test_serve_answers_and_sigterm_drains_within_the_deadline(proc: list[_Proc])
     assert rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2][6:])["error"]["code"] == "shutdown"
     assert 0.9 <= aborted_after < 6
-    assert srv.p.wait(30) == 0
+    assert srv.wait(30) == 0
     assert time.perf_counter() - t0 < 15
-    log = "".join(srv.err)
+    log = srv.err
     for bad in ("Traceback", "Warning", "was destroyed", "never awaited", "ERROR"):
         assert bad not in log, log
 
@@ -112,13 +71,19 @@ def test_serve_answers_and_sigterm_drains_within_the_deadline(proc: list[_Proc])
         (["--tiers", "disk=/tmp/x:1GiB"], {}, "tiers must start with cpu=SIZE"),
         (["--tiers", "cpu=1GiB,disk=1GiB"], {}, "disk tier must look like disk=PATH:SIZE"),
         (["--tiers", "cpu=lots"], {}, "capacity of tier 'cpu' must be a number of bytes"),
-        (["--tiers", "cpu=1GiB,redis=localhost:6379"], {}, "redis tier must be a redis://, rediss://, valkey://"),
+        (
+            ["--tiers", "cpu=1GiB,redis=localhost:6379"],
+            {},
+            "redis tier must be a redis://, rediss://, valkey://",
+        ),
         ([], {"AIOKV_PORT": "eighty"}, "AIOKV_PORT must be an integer, got 'eighty'"),
         (["--port", "70000"], {}, "port must be in [0, 65535], got 70000"),
         (["--model", "huge"], {}, "--model must be one of tiny, default, got 'huge'"),
         ([], {"AIOKV_NO_OFFLOAD": "maybe"}, "AIOKV_NO_OFFLOAD must be one of"),
-        (["--block-size", "24"], {}, "block_size must be a power of two >= 16, got 24"),
-        (["--max-model-len", "999999"], {}, "max_model_len must be in [2, 8192]"),
+        (["--block-size", "24"], {}, "--block-size must be a power of two >= 16, got 24"),
+        (["--max-model-len", "999999"], {}, "--max-model-len must be in [2, 8192]"),
+        (["--device", "gpu"], {}, "--device must be cpu, cuda, cuda:N or mps, got 'gpu'"),
+        ([], {"AIOKV_TIERS": "cpu=64Gb"}, "AIOKV_TIERS: capacity of tier 'cpu' must be in bytes, got '64Gb'"),
     ],
 )
 def test_bad_settings_are_one_line_errors(args: list[str], env: dict[str, str], message: str) -> None:
@@ -129,9 +94,9 @@ def test_bad_settings_are_one_line_errors(args: list[str], env: dict[str, str], 
     assert message in r.stderr, r.stderr
 
 
-def test_a_port_in_use_is_a_one_line_error(proc: list[_Proc]) -> None:
-    srv = _Proc()
-    proc.append(srv)
+def test_a_port_in_use_is_a_one_line_error(servers: list[ServeProcess]) -> None:
+    srv = ServeProcess("--tiers", "cpu=32MiB")
+    servers.append(srv)
     port = srv.url.rsplit(":", 1)[1]
     r = _run("--model", "tiny", "--port", port)
     assert r.returncode == 2
@@ -145,7 +110,9 @@ def test_disk_and_redis_tiers_are_real_tiers(tmp_path: Path) -> None:
     from aiokv.serve import ServeConfig
     from aiokv.tiers import CPUTier, DiskTier, RedisTier
 
-    cfg = ServeConfig(tiers=f"cpu=1GiB,disk={tmp_path}/kv:2GiB,redis=redis://:pw@127.0.0.1:6390/0")
+    cfg = ServeConfig(
+        tiers=f"cpu=1GiB,disk={tmp_path}/kv:2GiB,redis=redis://:pw@127.0.0.1:6390/0", create_dirs=True
+    )
     cpu, disk, redis = (s.build() for s in cfg.tier_specs)
     assert isinstance(cpu, CPUTier)
     assert cpu.capacity_bytes == 1 << 30

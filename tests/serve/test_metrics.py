@@ -1,8 +1,12 @@
-"""/metrics parses with prometheus_client's parser, types are right, and the counters move."""
+"""/metrics parses with prometheus_client's parser, types are right, the counters move, and every series
+served is documented in docs/serving.md (and every documented one served)."""
 
 from __future__ import annotations
 
+import re
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import httpx
@@ -14,7 +18,11 @@ import aiokv
 from aiokv.engine import Engine, PagedKVCache, Transformer
 from aiokv.metrics import AiokvCollector, RequestMetrics
 
-from ._server import TINY, ServerThread
+from ._metrics import Samples, parse
+from ._metrics import value as _value
+from ._server import TINY, ServerThread, config
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 COUNTERS = {
     "aiokv:prefix_cache_queries",
@@ -49,32 +57,11 @@ HISTOGRAMS = {
 }
 
 
-def _scrape(http: httpx.Client) -> dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+def _scrape(http: httpx.Client) -> Samples:
     r = http.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
-    out: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-    for fam in text_string_to_metric_families(r.text):
-        samples = out.setdefault(f"{fam.type}:{fam.name}", {})
-        for s in fam.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def _value(
-    metrics: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]],
-    kind: str,
-    name: str,
-    **labels: str,
-) -> float:
-    samples = metrics[f"{kind}:{name}"]
-    want = {"model_name": "aiokv-tiny", **labels}
-    suffix = {"counter": "_total", "gauge": "", "histogram": "_count"}[kind]
-    return sum(
-        v
-        for (n, ls), v in samples.items()
-        if n == name + suffix and all(dict(ls).get(k) == x for k, x in want.items())
-    )
+    return parse(r.text)
 
 
 def test_metrics_parse_and_counters_move(offload_server: ServerThread) -> None:
@@ -151,3 +138,83 @@ async def test_collector_works_for_any_embedding_server_and_from_another_thread(
     assert 0 < used["cpu"] <= capacity["cpu"] <= 4 << 20
     assert fams["aiokv:tier_write_bytes"].type == "counter"
     assert fams["aiokv:time_to_first_token_seconds"].type == "histogram"
+
+
+# ------------------------------------------------------------------------------- docs/serving.md vs /metrics
+_SERIES = re.compile(r"`((?:aiokv|vllm):[a-z0-9_]+)(?:\{([a-z_,]*)\})?`")
+
+
+def documented_series(doc: str, section: str, prefix: str) -> dict[str, frozenset[str]]:
+    """``{wire name: label names}`` of the series named in the first column of the tables of ``doc``'s
+    ``section`` (``## <section>`` up to the next ``## ``), e.g. ``aiokv:tier_health{tier,state}``."""
+    text = (DOCS / doc).read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, frozenset[str]] = {}
+    for line in body.splitlines():
+        if not line.startswith("| `"):
+            continue
+        for name, labels in _SERIES.findall(line.split(" | ", 1)[0]):
+            if name.startswith(prefix):
+                assert name not in out, f"{name} is listed twice in {doc}"
+                out[name] = frozenset(filter(None, (labels or "").split(",")))
+    return out
+
+
+def exported_series(text: str, constant: frozenset[str]) -> dict[str, tuple[str, frozenset[str]]]:
+    """``{wire name: (type, label names)}`` of an exposition; counters by their ``_total`` name, histograms by
+    their base name (``le`` dropped). Every sample must carry the ``constant`` labels, which are left out."""
+    out: dict[str, tuple[str, frozenset[str]]] = {}
+    for fam in text_string_to_metric_families(text):
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        labels: set[str] = set()
+        for s in fam.samples:
+            assert constant <= s.labels.keys(), f"{s.name}{s.labels} lacks {set(constant)}"
+            labels |= s.labels.keys() - constant - {"le"}
+        out[name] = (fam.type, frozenset(labels))
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    """A server with a CPU and a disk tier, so that every tier series has a tier to report."""
+    disk = tmp_path_factory.mktemp("disk")
+    server = ServerThread(config(tiers=f"cpu=64MiB,disk={disk}:64MiB")).start()
+    yield server
+    server.stop()
+
+
+def test_every_served_series_is_documented_and_every_documented_one_served(full_server: ServerThread) -> None:
+    """The series /metrics serves (name and label names), once traffic made every one appear, are exactly
+    those docs/serving.md's Metrics table lists: a new series must be documented, a documented one served."""
+    with httpx.Client(base_url=full_server.url, timeout=30) as http:
+        prompt = "every series " * 20
+        for _ in range(2):  # the second finds the first's prefix: loads, lower-tier lookups, cached tokens
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200
+            full_server.engine_idle_stats()
+        text = http.get("/metrics").text
+    exported = exported_series(text, frozenset({"model_name"}))
+    # prometheus_client's creation timestamps of the server's own counters and histograms (documented once).
+    created = {
+        n
+        for n, (kind, _) in exported.items()
+        if kind == "gauge"
+        and n.endswith("_created")
+        and (
+            exported.get(n.removesuffix("_created") + "_total", ("",))[0] == "counter"
+            or exported.get(n.removesuffix("_created"), ("",))[0] == "histogram"
+        )
+    }
+    served = {n: labels for n, (_, labels) in exported.items() if n not in created}
+    documented = documented_series("serving.md", "Metrics", "aiokv:")
+    undocumented = {n: sorted(ls) for n, ls in served.items() if n not in documented}
+    never_served = sorted(n for n in documented if n not in served)
+    wrong_labels = {
+        n: {"served": sorted(served[n]), "documented": sorted(ls)}
+        for n, ls in documented.items()
+        if n in served and served[n] != ls
+    }
+    assert undocumented == {}, "served but not in docs/serving.md's Metrics table"
+    assert never_served == [], "documented but not served"
+    assert wrong_labels == {}, "label names differ"
+    assert "`<name>_created`" in (DOCS / "serving.md").read_text()

@@ -155,3 +155,77 @@ def test_serving_docs_list_every_flag_and_variable() -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     missing = [o.option for o in OPTIONS if f"`{o.option}`" not in text or f"`{o.env}`" not in text]
     assert missing == []
+
+
+@pytest.mark.parametrize(
+    ("text", "size", "bandwidth"),
+    [
+        ("4096", 4096, 4096.0),
+        ("4096B", 4096, 4096.0),
+        ("1.5GB", 1_500_000_000, 1.5e9),
+        ("500 kB", 500_000, 5e5),
+        ("500KB", 500_000, 5e5),
+        ("64GiB", 64 << 30, float(64 << 30)),
+        ("64gB", 64 * 10**9, 64e9),  # prefixes are case-insensitive, the B of bytes is not
+        ("64G", 64 * 10**9, 64e9),
+        ("64Gi", 64 << 30, float(64 << 30)),
+        ("2e9", 2 * 10**9, 2e9),
+        ("1PiB", 1 << 50, float(1 << 50)),
+    ],
+)
+def test_sizes_and_bandwidths_share_one_grammar(text: str, size: int, bandwidth: float) -> None:
+    from aiokv._units import parse_bandwidth, parse_size
+
+    assert parse_size(text) == size
+    assert parse_bandwidth(text) == bandwidth
+    assert parse_bandwidth(text + "/s") == bandwidth
+
+
+@pytest.mark.parametrize(
+    ("text", "bandwidth"),
+    [("10Gbit/s", 1.25e9), ("10Gbit", 1.25e9), ("10Gbps", 1.25e9), ("100 Mbit/s", 12.5e6), ("1Kibit/s", 128.0),
+     ("25GBps", 25e9)],
+)  # fmt: skip
+def test_bandwidths_may_be_in_bits_spelled_out(text: str, bandwidth: float) -> None:
+    from aiokv._units import parse_bandwidth
+
+    assert parse_bandwidth(text) == bandwidth
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "message"),
+    [
+        ("size", "64Gb", "size must be in bytes, got '64Gb' (a lower-case b reads as bits): write 64GB or 64GiB"),
+        ("size", "64gb", "size must be in bytes, got '64gb' (a lower-case b reads as bits): write 64GB or 64GiB"),
+        ("size", "512kib", "write 512kB or 512KiB"),
+        ("size", "4096b", "size must be in bytes, got '4096b' (a lower-case b reads as bits): write 4096B"),
+        ("size", "64Gbit", "size must be in bytes, not bits, got '64Gbit': write 8GB"),
+        ("size", "64Gibit", "write 8GiB"),
+        ("size", "1e999", "size must be a finite number of bytes, got '1e999'"),
+        ("size", "GiB", "size must be a number of bytes with an optional unit such as 64GiB, got 'GiB'"),
+        ("size", "1iB", "size must be a number of bytes with an optional unit such as 64GiB, got '1iB'"),
+        ("size", "64GB/s", "size must be a number of bytes with an optional unit"),
+        ("bandwidth", "10Gb/s", "bandwidth must say bytes or bits, got '10Gb/s' (a lower-case b is ambiguous): "
+         "write 10GB/s for bytes or 10Gbit/s for bits per second"),
+        ("bandwidth", "10gib/s", "write 10GiB/s for bytes or 10Gibit/s for bits per second"),
+        ("bandwidth", "unlimited", "bandwidth must be finite, got 'unlimited'"),
+        ("bandwidth", "4bit/s", "bandwidth must be at least 1 byte per second, got '4bit/s'"),
+        ("bandwidth", "fast", "bandwidth must be a number with an optional unit such as 25GB/s or 10Gbit/s, "
+         "got 'fast'"),
+    ],
+)  # fmt: skip
+def test_ambiguous_and_bad_quantities_say_what_to_write(parse: str, text: str, message: str) -> None:
+    from aiokv._errors import InvalidArgumentError
+    from aiokv._units import parse_bandwidth, parse_size
+
+    with pytest.raises(InvalidArgumentError) as info:
+        (parse_size if parse == "size" else parse_bandwidth)(text)
+    assert message in str(info.value)
+
+
+def test_replay_and_serve_parse_with_the_same_functions() -> None:
+    import aiokv._units
+    import aiokv.replay
+
+    assert aiokv.replay.parse_size is aiokv._units.parse_size
+    assert aiokv.replay.parse_bandwidth is aiokv._units.parse_bandwidth

@@ -147,7 +147,9 @@ async def test_disk_health_changes_are_logged(
     where = repr(str(tmp_path))
     assert records(caplog, "aiokv.tiers.disk", logging.WARNING) == [
         f"disk tier {where}: 2 of 2 stores dropped: OSError: [Errno 5] Input/output error",
-        f"disk tier {where} degraded: OSError: [Errno 5] Input/output error",
+        f"disk tier {where} degraded: OSError: [Errno 5] Input/output error; failed reads are misses and "
+        "failed stores are dropped: check the disk, its free space and the directory's permissions (the tier "
+        "keeps trying on every call)",
     ]
     assert records(caplog, "aiokv.tiers.disk", logging.INFO) == [
         f"disk tier {where} is up again (was degraded)"
