@@ -148,6 +148,13 @@ def _unsupported(body: Mapping[str, Any]) -> None:
         "functions": (None, []),
         "tool_choice": (None, "none", "auto"),
         "function_call": (None, "none", "auto"),
+        # vLLM's sampling extras: refused, not ignored, unless they say "off"
+        "top_k": (None, -1, 0),
+        "min_p": (None, 0, 0.0),
+        "min_tokens": (None, 0),
+        "repetition_penalty": (None, 1, 1.0),
+        "stop_token_ids": (None, []),
+        "use_beam_search": (None, False),
     }
     for name, ok in neutral.items():
         value = body.get(name)

@@ -142,3 +142,24 @@ def test_numbers_over_http(offload_server: ServerThread) -> None:
                 assert r.json()["usage"]["completion_tokens"] <= 2
             else:
                 assert needle in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("top_k", 40), ("min_p", 0.1), ("min_tokens", 4), ("repetition_penalty", 1.2), ("stop_token_ids", [7]),
+     ("use_beam_search", True), ("top_k", "40")],
+)  # fmt: skip
+def test_vllm_sampling_extras_are_refused_not_ignored(name: str, value: Any) -> None:
+    for kind in ("completion", "chat"):
+        err = _refused(kind, {name: value})
+        assert err.param == name
+        assert err.message.startswith(f"{name} is not supported by the aiokv reference engine, got ")
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("top_k", -1), ("top_k", 0), ("min_p", 0.0), ("min_tokens", 0), ("repetition_penalty", 1.0),
+     ("stop_token_ids", []), ("use_beam_search", False)],
+)  # fmt: skip
+def test_vllm_sampling_extras_at_their_neutral_value_are_accepted(name: str, value: Any) -> None:
+    parse_completion_request({"prompt": "hi", name: value}, TOK)
