@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import socket
 import sys
 import threading
@@ -226,11 +227,13 @@ async def send(http: httpx.AsyncClient, a: Attack, phase: Phase) -> None:
     phase.statuses.setdefault(a.name, []).append(r.status_code)
 
 
-async def run_phase(server: common.ServeProcess, cases: list[Attack], rounds: int) -> Phase:
+async def run_phase(server: common.ServeProcess, cases: list[Attack], rounds: int, *, nice: int = 0) -> Phase:
     """``rounds`` rounds of ``cases`` (all at once within a round, with a slow writer and a slow reader) while
     the prober and the normal client run; ``rounds=0``: those two alone, for ``IDLE_S``."""
     phase = Phase()
     clients = Clients(server.url)
+    if nice:  # this process only, from now on: the server and the probing clients keep their priority
+        os.nice(nice)
     t0 = time.perf_counter()
     if not rounds:
         await asyncio.sleep(IDLE_S)
@@ -282,7 +285,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         common.status(f"idle: {server.url}")
         idle = await run_phase(server, cases, 0)
         common.status(f"attack: {args.rounds} round(s)")
-        attack = await run_phase(server, cases, args.rounds)
+        attack = await run_phase(server, cases, args.rounds, nice=args.attacker_nice)
     finally:
         server.stop()
     common.status("old intake on the issue's bodies")
@@ -352,6 +355,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="one round of attacks")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--loop", default="uvloop", choices=["uvloop", "asyncio"], help="the server's event loop")
+    p.add_argument(
+        "--attacker-nice",
+        type=int,
+        default=0,
+        help="lower the attacking process's CPU priority by this much (nice), as if the attack came from another "
+        "machine: on a 2-core box it otherwise takes CPU from the server it attacks",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.rounds = 1
