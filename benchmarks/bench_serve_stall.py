@@ -244,7 +244,7 @@ async def run_phase(server: common.ServeProcess, cases: list[Attack], rounds: in
             writer = asyncio.to_thread(slow_body, server.address)
             *_, slow_ok = await asyncio.gather(*(send(http, a, phase) for a in cases), writer)
             release.set()
-            phase.slow_ok += [slow_ok, await reader]
+            phase.slow_ok += [slow_ok is True, await reader]  # the last result is the slow writer's
     phase.health_s, phase.normal_s = clients.stop()
     phase.wall_s = time.perf_counter() - t0
     return phase
