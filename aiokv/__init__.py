@@ -30,6 +30,7 @@ from ._version import __version__
 
 if typing.TYPE_CHECKING:
     from ._bridge import ThreadBridge, ThreadRequest
+    from ._groups import NO_BLOCK, GroupedLayout, GroupKind, KVGroup
     from ._hashing import NONE_ROOT as NONE_ROOT
     from ._hashing import block_hashes
     from ._hashing import make_root as make_root
@@ -66,6 +67,10 @@ __getattr__, __dir__ = _lazy.attach(
     {
         # the everyday API
         "KVLayout": "._layout",
+        "KVGroup": "._groups",
+        "GroupKind": "._groups",
+        "GroupedLayout": "._groups",
+        "NO_BLOCK": "._groups",
         "Offloader": "._offloader",
         "OffloaderStats": "._stats",
         "LoadCompletion": "._request",
@@ -105,6 +110,7 @@ __getattr__, __dir__ = _lazy.attach(
 )
 
 __all__ = [
+    "NO_BLOCK",
     "AiokvError",
     "BlockRangeError",
     "CPUTier",
@@ -115,9 +121,12 @@ __all__ = [
     "DuplicateRequestError",
     "EngineError",
     "FaultyTier",
+    "GroupKind",
+    "GroupedLayout",
     "InvalidArgumentError",
     "InvalidLayoutError",
     "InvalidTypeError",
+    "KVGroup",
     "KVLayout",
     "LoadCompletion",
     "MissingDependencyError",

@@ -204,7 +204,7 @@ class ThreadRequest:
     def load(self, block_ids: Sequence[int], *, present_blocks: int = 0) -> concurrent.futures.Future[int]:
         """Resolves once the cached prefix is in ``block_ids``, to the tokens restored (see
         :meth:`Request.load`, also for ``present_blocks``)."""
-        ids = list(block_ids)
+        ids = _copy_ids(block_ids)
         return self._call(lambda: self._req.load(ids, present_blocks=present_blocks))
 
     def step(
@@ -212,8 +212,14 @@ class ThreadRequest:
     ) -> concurrent.futures.Future[None]:
         """Report an engine step; the future resolves once the loop applied it (or holds its validation
         error). Steps need not be waited for: later calls run after them."""
-        toks, blocks = list(new_token_ids), list(new_block_ids)
+        toks, blocks = list(new_token_ids), _copy_ids(new_block_ids)
         return self._call(lambda: self._req.step(num_computed_tokens, toks, blocks))
+
+    def drop_blocks(self, block_ids: Sequence[Sequence[int]]) -> concurrent.futures.Future[None]:
+        """Grouped layouts: the engine takes these blocks back mid-request (see :meth:`Request.drop_blocks`);
+        resolves once the request's copies in flight are complete."""
+        ids = _copy_ids(block_ids)
+        return self._call(lambda: self._req.drop_blocks(ids))
 
     def finish(self) -> concurrent.futures.Future[None]:
         """Resolves once every engine block of the request may be reused."""
@@ -229,3 +235,12 @@ class ThreadRequest:
 
     def __repr__(self) -> str:
         return f"<ThreadRequest {self._req!r}>"
+
+
+def _copy_ids(block_ids: Any) -> Any:
+    """A copy the loop thread can keep while the engine's thread reuses its lists: one list, or one list per
+    group for a grouped layout (a sequence of sequences)."""
+    items = list(block_ids)
+    if items and not isinstance(items[0], (int, bytes, str)) and hasattr(items[0], "__iter__"):
+        return [list(g) for g in items]
+    return items

@@ -273,6 +273,45 @@ class KVLayout:
         self.root = make_root(self.fingerprint, model_id)
         self._seg_cache: tuple[Int64Array, Int64Array, Int64Array] | None = None
 
+    @classmethod
+    def from_groups(
+        cls,
+        groups: Sequence[Any],
+        block_size: int = 16,
+        *,
+        model_id: str | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        checkpoint_blocks: int | None = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+    ) -> KVLayout:
+        """A layout made of several KV-cache groups (:class:`aiokv.KVGroup`): full attention, sliding window,
+        MLA latent, recurrent state; see :class:`aiokv.GroupedLayout`. ``block_size`` is every group's tokens
+        per block. ``tp_rank``/``tp_size``: this rank under tensor parallelism (keys of non-replicated groups
+        are per rank, and a cache written at another TP size never restores). ``checkpoint_blocks``: a
+        sliding-window or state group's parts are kept at every multiple of it (default ``max(4 * w, 16)``
+        blocks for a window of ``w`` blocks), at the prompt's end and at a request's final boundary.
+        ``pp_rank``/``pp_size``: this pipeline stage (stages hold different layers, often of identical
+        shapes: each stage's cache is its own)."""
+        from ._groups import GroupedLayout
+
+        return GroupedLayout(
+            groups,
+            block_size,
+            model_id=model_id,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            checkpoint_blocks=checkpoint_blocks,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+        )
+
+    @property
+    def is_grouped(self) -> bool:
+        """Whether this layout is made of several KV-cache groups (block ids are then given per group)."""
+        return False
+
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"

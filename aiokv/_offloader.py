@@ -25,6 +25,7 @@ from ._errors import (
     InvalidTypeError,
     WrongThreadError,
 )
+from ._groups import GroupedLayout
 from ._hashing import _canon, check_token_ids
 from ._layout import KVLayout
 from ._log import Throttled, get_logger
@@ -47,6 +48,7 @@ __all__ = ["Offloader"]
 
 _log = get_logger("offloader")
 
+_GROUPED_LOOKUP_TRIES = 8  # boundaries a grouped lookup tries before giving up (each may ask the lower tiers)
 _MAX_PRIORITY = 100  # Offloader.open(priority=...) is in [-_MAX_PRIORITY, _MAX_PRIORITY]
 
 
@@ -166,6 +168,11 @@ class Offloader:
                 f"prefill_tokens_per_s must be a number or None, got {type(prefill_tokens_per_s).__name__}"
             )
         device = self._resolve_device(layout, device)
+        self._grouped: GroupedLayout | None = layout if isinstance(layout, GroupedLayout) else None
+        # Grouped layouts under TP: units of replicated parts that rank 0 writes through (this rank does not).
+        self._local_only: set[bytes] = set()
+        if self._grouped is not None:
+            self._check_grouped(device, store_partial_last_block, kv_events, kv_events_endpoint)
         self.layout = layout
         self.block_size = layout.block_size
         self._num_blocks = layout.num_blocks  # read on every step(): an attribute, not a property chain
@@ -223,6 +230,19 @@ class Offloader:
         self._cost_clock: Callable[[], float] = time.perf_counter
         if kv_events is not False or kv_events_endpoint is not None:
             self._enable_events(kv_events)
+
+    @staticmethod
+    def _check_grouped(device: object, partial: object, kv_events: object, endpoint: object) -> None:
+        """What a grouped layout does not support yet: refused, never silently ignored."""
+        if device is not None:
+            raise InvalidArgumentError(
+                "device must be None for a grouped layout (KVLayout.from_groups): grouped copies run on the "
+                "CPU executor only for now"
+            )
+        if partial:
+            raise InvalidArgumentError("store_partial_last_block must be False for a grouped layout")
+        if kv_events is not False or endpoint is not None:
+            raise InvalidArgumentError("kv_events must be off for a grouped layout (not supported yet)")
 
     @staticmethod
     def _check_event_endpoints(endpoint: object, replay: object) -> tuple[str, str | None] | None:
@@ -706,6 +726,9 @@ class Offloader:
         """Reserve CPU slots for blocks ``start..end-1`` (engine blocks ``blocks[i]``, hashes ``chain[i]``) and
         submit one store copy for them. ``source`` (the storing request) gives the blocks' quota tenant and
         eviction priority, and their tenant and tokens in KV events."""
+        if self._grouped is not None:
+            assert source is not None
+            return self._store_units(chain, start, end, blocks, mark, source)
         tenant, priority = (None, 0) if source is None else (source._tenant, source.priority)
         index = self._index
         c = self._counters
@@ -761,6 +784,239 @@ class Offloader:
             return None
         return self._submit_store([key], [slot], [block_id], mark)
 
+    # ----------------------------------------------------- grouped layouts
+    def _store_units(
+        self,
+        chain: list[bytes],
+        start: int,
+        end: int,
+        rows: list[Any],
+        mark: Any,
+        source: Request,
+        final: bool = False,
+    ) -> TransferFuture | None:
+        """A grouped layout's store of key blocks ``start..end-1`` (``rows[i]``: block ``i``'s engine id per
+        group): every base unit, and the window and state units some kept boundary can use (see
+        :class:`aiokv._groups.Retention`). ``final``: the request's last boundary is ``end``: store what it
+        needs that the fill-time rule left out (and nothing else)."""
+        lay = self._grouped
+        assert lay is not None
+        index = self._index
+        c = self._counters
+        tenant, priority = source._tenant, source.priority
+        keep = lay.retention
+        prompt = source._prompt_blocks
+        parts = lay.parts
+        keys: list[bytes] = []
+        slots: list[int] = []
+        refs: list[Any] = []
+
+        # Replicated parts (latent groups) hold the same bytes on every TP rank: rank 0 writes them through
+        # to the shared lower tiers, once; every rank keeps its own copy in its (private) CPU tier.
+        local_only = self._local_only if lay.tp_rank and self._writers else None
+        identity = lay._identity_first
+
+        def add(key: bytes, unit: int, row: Any, parent: bytes | None, depth: int) -> int:
+            slot = index.reserve(key, parent, depth, tenant, priority)
+            if slot is None:
+                if index.state(key) is not None:
+                    c.stores_deduplicated += 1
+                else:
+                    c.stores_dropped += 1
+                return 0
+            if local_only is not None and parts[lay.unit_parts[unit][0]].replicated:
+                local_only.add(key)
+            keys.append(key)
+            slots.append(slot)
+            refs.append((unit, row))
+            return 1
+
+        def held(part: int, row: Any) -> bool:
+            return all(row[g] >= 0 for g in parts[part].groups)
+
+        if final:
+            for p, w in lay.windows:
+                for j in range(max(start, end - w), end):
+                    if keep.keep_window_at_fill(j, w, prompt) or not held(p, rows[j]):
+                        continue
+                    for u in lay.part_units(p):
+                        c.retention_units_late += add(lay.unit_key(chain[j], u), u, rows[j], None, j)
+            if end > 0 and end > start:
+                for p in lay.state_parts:
+                    if keep.keep_state_at_fill(end, prompt) or not held(p, rows[end - 1]):
+                        continue
+                    for u in lay.part_units(p):
+                        c.retention_units_late += add(
+                            lay.unit_key(chain[end - 1], u), u, rows[end - 1], None, end - 1
+                        )
+        else:
+            base_units = lay.base_units
+            key_of = lay.unit_key
+            for i in range(start, end):
+                key = chain[i]
+                row = rows[i]
+                parent = chain[i - 1] if i else None
+                for u in base_units:
+                    add(key if u == 0 and identity else key_of(key, u), u, row, parent, i)
+                for p, w in lay.windows:
+                    if keep.keep_window_at_fill(i, w, prompt) and held(p, row):
+                        for u in lay.part_units(p):
+                            add(lay.unit_key(key, u), u, row, None, i)
+                    else:
+                        c.retention_units_skipped += parts[p].units
+                for p in lay.state_parts:
+                    if keep.keep_state_at_fill(i + 1, prompt) and held(p, row):
+                        for u in lay.part_units(p):
+                            add(lay.unit_key(key, u), u, row, None, i)
+                    else:
+                        c.retention_units_skipped += parts[p].units
+        if not keys:
+            return None
+        return self._submit_store(keys, slots, refs, mark)
+
+    async def _grouped_lookup(
+        self, keys: list[bytes], source: Request | None = None
+    ) -> tuple[int, list[bytes], list[int], list[tuple[int, int]]]:
+        """A grouped layout's lookup: the longest ``N`` whose base units ``[0, N)``, window units before ``N``
+        and state units at ``N`` are all pinned (staged from the lower tiers as needed). Returns ``N``, the
+        pinned keys and their slots, and per pinned key its ``(block, unit)``."""
+        lay = self._grouped
+        assert lay is not None
+        index = self._index
+        n = len(keys)
+        pinned: list[bytes] = []
+        slots: list[int] = []
+        plan: list[tuple[int, int]] = []
+        try:
+            top = n
+            bases = lay.base_parts
+            if bases:
+                first = lay.part_units(bases[0])
+                # The first base part is one unit: one probe per block, whatever the number of groups.
+                k0 = keys if lay._identity_first else [lay.unit_key(k, first.start) for k in keys]
+                got, got_slots = await self._pin_run(k0, source)
+                top = len(got)
+                pinned += got
+                slots += got_slots
+                plan += [(i, first.start) for i in range(top)]
+                for p in bases[1:]:
+                    for u in lay.part_units(p):
+                        gk, gs = await self._pin_run([lay.unit_key(k, u) for k in keys[:top]], source)
+                        if len(gk) < top:  # the blocks from there on miss this base unit: give them up
+                            drop = [i for i, (b, _u) in enumerate(plan) if b >= len(gk)]
+                            index.unpin([pinned[i] for i in drop])
+                            keep_i = [i for i in range(len(plan)) if plan[i][0] < len(gk)]
+                            pinned = [pinned[i] for i in keep_i]
+                            slots = [slots[i] for i in keep_i]
+                            plan = [plan[i] for i in keep_i]
+                            top = len(gk)
+                            gk, gs = gk[:top], gs[:top]
+                        pinned += gk
+                        slots += gs
+                        plan += [(i, u) for i in range(len(gk))]
+            boundary = top
+            if lay.windows or lay.state_parts:
+                got, got_slots, boundary, need = await self._window_boundary(keys, top, source)
+                pinned += got
+                slots += got_slots
+                plan += need
+            if boundary < top:  # base units past the boundary found are not needed
+                drop = [i for i, (b, u) in enumerate(plan) if b >= boundary]
+                index.unpin([pinned[i] for i in drop])
+                keep_i = [i for i in range(len(plan)) if plan[i][0] < boundary]
+                pinned = [pinned[i] for i in keep_i]
+                slots = [slots[i] for i in keep_i]
+                plan = [plan[i] for i in keep_i]
+        except BaseException:
+            index.unpin(pinned)
+            raise
+        self._count_lookup(n, boundary, source)
+        return boundary, pinned, slots, plan
+
+    def _local_boundary(self, keys: list[bytes], top: int, memo: dict[tuple[int, int], bytes]) -> int:
+        """The hit rule over what the CPU tier holds READY (dictionary probes, no I/O): the largest boundary
+        ``<= top`` whose window units before it and state units at it are all there. Each (block, unit) is
+        probed at most once: a window unit missing at block ``j`` rules out every boundary in ``(j, j + w]``,
+        a state unit missing at ``N`` only ``N``."""
+        lay = self._grouped
+        assert lay is not None
+        index = self._index
+        key_of = lay.unit_key
+        seen: dict[tuple[int, int], bool] = {}
+
+        def present(j: int, u: int) -> bool:
+            got = seen.get((j, u))
+            if got is None:
+                key = memo[(j, u)] = key_of(keys[j], u)
+                got = seen[(j, u)] = key in index
+            return got
+
+        states = [u for p in lay.state_parts for u in lay.part_units(p)]
+        windows = [(w, list(lay.part_units(p))) for p, w in lay.windows]
+        n = top
+        while n > 0:
+            if not all(present(n - 1, u) for u in states):
+                n -= 1
+                continue
+            bad = -1
+            for w, units in windows:
+                for j in range(n - 1, max(0, n - w) - 1, -1):
+                    if not all(present(j, u) for u in units):
+                        bad = max(bad, j)
+                        break
+            if bad < 0:
+                return n
+            n = bad
+        return 0
+
+    async def _window_boundary(
+        self, keys: list[bytes], top: int, source: Request | None
+    ) -> tuple[list[bytes], list[int], int, list[tuple[int, int]]]:
+        """Pin the window and state units of the best boundary ``<= top``: the CPU tier's best (found without
+        I/O), unless a boundary above it can be completed from the lower tiers. Those are tried at ``top``
+        first (a conversation's next turn resumes where the last one ended), then at the checkpoints below,
+        ``_GROUPED_LOOKUP_TRIES`` round trips at most. Returns the pins, the boundary and per pin its
+        ``(block, unit)``."""
+        lay = self._grouped
+        assert lay is not None
+        index = self._index
+        every = lay.retention.checkpoint
+        memo: dict[tuple[int, int], bytes] = {}  # unit keys computed so far, by (block, unit)
+
+        def unit_keys(need: list[tuple[int, int]]) -> list[bytes]:
+            out = []
+            for j, u in need:
+                key = memo.get((j, u))
+                if key is None:
+                    key = memo[(j, u)] = lay.unit_key(keys[j], u)
+                out.append(key)
+            return out
+
+        for _attempt in range(2):
+            local = self._local_boundary(keys, top, memo)
+            cand = top
+            tries = 0
+            while cand > local and self.lower and tries < _GROUPED_LOOKUP_TRIES:
+                need = lay.needed_units(cand)
+                nk = unit_keys(need)
+                gk, gs = await self._pin_run(nk, source, planned=False)
+                if len(gk) == len(nk):
+                    return gk, gs, cand, need
+                index.unpin(gk)
+                j, u = need[len(gk)]
+                nxt = lay.back_off(cand, j, u)
+                cand = nxt if nxt <= local else max(local, nxt // every * every)
+                tries += 1
+            if local == 0:
+                return [], [], 0, []
+            need = lay.needed_units(local)
+            nk = unit_keys(need)
+            got = index.pin_prefix(nk)
+            if len(got) == len(nk):
+                return nk, got, local, need
+            index.unpin(nk[: len(got)])  # evicted while the lower tiers were asked: look again, once
+        return [], [], 0, []
+
     def _submit_store(self, keys: list[bytes], slots: list[int], ids: list[int], mark: Any) -> TransferFuture:
         # Stores accepted in the same loop tick (from any request) join one TransferFuture: one completion and
         # one index update per tick instead of one per stored block. Each request still tracks that future.
@@ -773,6 +1029,7 @@ class Offloader:
             for key in keys:
                 self._index.discard(key)
             self._ev_forget(keys)
+            self._local_only.difference_update(keys)
             raise
         if tf is join:
             tf.context.extend(keys)
@@ -801,12 +1058,19 @@ class Offloader:
                 self._ev_stored(keys)
             c.blocks_stored += len(keys)
             c.bytes_stored += len(keys) * self.layout.slot_bytes
+            local = self._local_only
+            if local:  # replicated units another rank writes through: this rank keeps them in its CPU tier
+                wt = [k for k in keys if k not in local]
+                local.difference_update(keys)
+            else:
+                wt = keys
             for w in self._writers:
-                w.offer(keys)
+                w.offer(wt)
         else:
             for key in keys:
                 index.discard(key)
             self._ev_forget(keys)
+            self._local_only.difference_update(keys)
             c.store_errors += len(keys)
             self._log_copy.event("store of %d blocks failed, dropped: %s", len(keys), tf.exception())
 
@@ -862,6 +1126,29 @@ class Offloader:
     async def _lookup_and_pin(
         self, keys: list[bytes], source: Request | None = None
     ) -> tuple[list[bytes], list[int]]:
+        """:meth:`_pin_run`, counted as one lookup of ``keys`` (one-group layouts)."""
+        n_keys = len(keys)
+        pinned, slots = await self._pin_run(keys, source)
+        self._count_lookup(n_keys, len(pinned), source)
+        return pinned, slots
+
+    def _count_lookup(self, n_keys: int, hit: int, source: Request | None) -> None:
+        c = self._counters
+        c.lookups += 1
+        c.hits += hit
+        c.misses += n_keys - hit
+        c.hit_tokens += hit * self.block_size
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug(
+                "lookup%s: %d of %d blocks cached",
+                "" if source is None else f" of request {source.request_id!r}",
+                hit,
+                n_keys,
+            )
+
+    async def _pin_run(
+        self, keys: list[bytes], source: Request | None = None, planned: bool = True
+    ) -> tuple[list[bytes], list[int]]:
         """Pin the longest prefix of ``keys`` available across all tiers; return its keys and CPU slots.
 
         The load planner (``load_policy``) decides run by run: the CPU tier's leading run, then each lower
@@ -871,14 +1158,14 @@ class Offloader:
         lower tiers (fastest first) into fresh CPU slots, and the walk continues through the CPU blocks after
         the run (pinned before staging, so eviction cannot take them meanwhile). The prefix ends at a block no
         tier holds, one a tier fails to read or finds corrupt, or one still pending in the CPU tier. Cancelled,
-        it releases every pin it took.
+        it releases every pin it took. ``planned=False`` (a grouped layout's window and state units, which
+        are not token blocks): every run is restored, the planner is not asked.
         """
         index = self._index
-        n_keys = len(keys)
         slots = index.pin_prefix(keys)
         pinned = keys[: len(slots)]
         ahead: list[bytes] = []
-        if pinned and not self._planner.worth("cpu", len(pinned)):
+        if planned and pinned and not self._planner.worth("cpu", len(pinned)):
             # Even the CPU tier's blocks restore slower than they recompute: so would every block after them.
             index.unpin(pinned)
             pinned, slots = [], []
@@ -893,7 +1180,7 @@ class Offloader:
                     break  # keys[pos] is pending in the CPU tier (being stored or staged)
                 ahead_slots = index.pin_prefix(keys[end:])
                 ahead = keys[end : end + len(ahead_slots)]
-                got_keys, got_slots = await self._stage_run(keys, pos, end, source)
+                got_keys, got_slots = await self._stage_run(keys, pos, end, source, planned)
                 pinned.extend(got_keys)
                 slots.extend(got_slots)
                 if len(got_keys) < end - pos:
@@ -907,18 +1194,6 @@ class Offloader:
             raise
         finally:
             index.unpin(ahead)
-        c = self._counters
-        c.lookups += 1
-        c.hits += len(pinned)
-        c.misses += n_keys - len(pinned)
-        c.hit_tokens += len(pinned) * self.block_size
-        if _log.isEnabledFor(logging.DEBUG):
-            _log.debug(
-                "lookup%s: %d of %d blocks cached",
-                "" if source is None else f" of request {source.request_id!r}",
-                len(pinned),
-                n_keys,
-            )
         return pinned, slots
 
     async def _stage_run(
@@ -927,6 +1202,7 @@ class Offloader:
         start: int,
         end: int,
         source: Request | None = None,
+        planned: bool = True,
     ) -> tuple[list[bytes], list[int]]:
         """Stage ``keys[start:end]`` (all missing from the CPU tier) from the lower tiers, fastest first; return
         the pinned prefix that arrived."""
@@ -939,9 +1215,9 @@ class Offloader:
                 if pos == end:
                     break
                 name = self._tier_names[ti]
-                if not planner.worth_asking(name, end - pos):
+                if planned and not planner.worth_asking(name, end - pos):
                     continue  # no run this tier could hold would restore faster than it recomputes
-                k, s = await self._stage(tier, name, keys, pos, end, source)
+                k, s = await self._stage(tier, name, keys, pos, end, source, planned)
                 if not k:
                     continue
                 got_keys.extend(k)
@@ -965,6 +1241,7 @@ class Offloader:
         start: int,
         end: int,
         source: Request | None = None,
+        planned: bool = True,
     ) -> tuple[list[bytes], list[int]]:
         """Copy the run of ``keys[start:end]`` held by ``tier`` into fresh CPU slots; pin and return the
         verified prefix. A tier that fails (or raises) yields a miss from the failing block on; so does one
@@ -987,7 +1264,7 @@ class Offloader:
             c.staging_misses += 1
             return [], []
         n = min(n, len(rest))
-        if n <= 0 or not self._planner.worth(name, n):
+        if n <= 0 or (planned and not self._planner.worth(name, n)):
             return [], []
         index = self._index
         meta = self._ev_meta
@@ -1172,6 +1449,8 @@ class Offloader:
             prefill_tokens_per_s=planner.prefill_tokens_per_s,
             planner_skipped_blocks=planner.skipped_blocks,
             planner_skipped_lookups=planner.skipped_lookups,
+            retention_bytes_saved=max(0, c.retention_units_skipped - c.retention_units_late)
+            * self.layout.slot_bytes,
             planner=planner,
         )
 

@@ -189,6 +189,7 @@ class Request:
         "_epoch",
         "_events",
         "_failed_epoch",
+        "_grouped",
         "_hashes",
         "_hit_blocks",
         "_in_flight",
@@ -198,7 +199,9 @@ class Request:
         "_off",
         "_partial",
         "_pinned",
+        "_pinned_plan",
         "_pinned_slots",
+        "_prompt_blocks",
         "_quiet",
         "_quiet_waiters",
         "_retain_s",
@@ -242,6 +245,10 @@ class Request:
         self._tid = off._thread
         self._bs = off.block_size
         self._nblk = off._num_blocks
+        # A grouped layout (KVLayout.from_groups): block ids are rows (one id per group), stores and lookups
+        # go through the offloader's unit paths, and the step fast path (one id per block) never applies.
+        self._grouped = getattr(off, "_grouped", None) is not None
+        self._prompt_blocks = len(token_ids) // off.block_size
         self.priority = priority  # eviction priority of the blocks it stores or stages (CPU tier)
         self._retain_s = retain_s
         self._tenant = tenant  # the CPU tier's quota key (canonical salt) when it has tenant quotas
@@ -270,6 +277,7 @@ class Request:
         self._in_flight: set[TransferFuture] = set()
         self._pinned: list[bytes] = []  # CPU entries pinned by the last lookup
         self._pinned_slots: list[int] = []
+        self._pinned_plan: list[tuple[int, int]] = []  # grouped: (block, unit) of each pinned entry
         self._hit_blocks: int | None = None  # result of the last completed lookup, until load/end
         self._partial = 0  # tokens of a partially filled last block matched by the last lookup
         self._abort_requested = False
@@ -338,6 +346,17 @@ class Request:
         if self._hit_blocks is None:
             raise RequestStateError("load() needs a completed lookup() first")
         ids = self._off.layout.check_block_ids(block_ids, "block_ids")
+        if (
+            self._grouped
+            and 0 < len(ids) < self._hit_blocks
+            and (
+                self._off._grouped.windows or self._off._grouped.state_parts  # type: ignore[attr-defined]
+            )
+        ):
+            raise InvalidArgumentError(
+                f"block_ids must cover the whole hit ({self._hit_blocks} blocks) or nothing for a layout with "
+                f"sliding-window or state groups (what a shorter prefix needs was not looked up), got {len(ids)}"
+            )
         if len(ids) > self._hit_blocks:
             raise InvalidArgumentError(
                 f"block_ids must have at most {self._hit_blocks} blocks (the last lookup's hit), got {len(ids)}"
@@ -357,7 +376,7 @@ class Request:
         # The block table and counters change now, synchronously, so that step() right after is validated
         # against them; the copy itself is submitted by the task in order.
         self._blocks = list(ids)
-        self._block_set = set(ids)
+        self._block_set = self._off.layout.held(ids) if self._grouped else set(ids)  # type: ignore[attr-defined]
         bs = self._off.block_size
         if partial:  # the last block is only partially filled: it is not a stored full block yet
             self.num_computed_tokens = (len(ids) - 1) * bs + partial
@@ -438,6 +457,70 @@ class Request:
             self._step_store(upto, full)
         return None
 
+    def drop_blocks(self, block_ids: Sequence[Sequence[int]]) -> _Completion:
+        """Grouped layouts: the engine takes these blocks back while the request runs (vLLM frees a
+        sliding-window group's blocks once they leave the window). ``block_ids`` has one sequence per group
+        (empty for the others; a full or latent group's blocks cannot be dropped). aiokv never reads them
+        again: their positions become :data:`aiokv.NO_BLOCK`, and a store not yet submitted skips them.
+        Resolves once every copy this request has in flight is complete (after that, nothing aiokv submitted
+        can still be reading them); an engine that may reuse them sooner must wait for it first."""
+        self._check_call("drop_blocks")
+        off = self._off
+        if not self._grouped:
+            raise InvalidArgumentError(
+                "drop_blocks() needs a grouped layout (KVLayout.from_groups): a one-group request holds every "
+                "block until it ends"
+            )
+        lay = off.layout
+        groups = lay.groups  # type: ignore[attr-defined]
+        if isinstance(block_ids, (str, bytes)) or len(block_ids) != len(groups):
+            raise InvalidArgumentError(
+                f"block_ids must have one sequence of block ids per group ({len(groups)}), got "
+                f"{len(block_ids) if isinstance(block_ids, Sequence) else type(block_ids).__name__}"
+            )
+        mem = lay.memory_class  # type: ignore[attr-defined]
+        rows: list[Any] = self._blocks  # grouped: one tuple of ids (one per group) per block
+        where: dict[tuple[int, int], int] = {}
+        for i, row in enumerate(rows):
+            for g, b in enumerate(row):
+                if b >= 0:
+                    where[(g, b)] = i
+        drops: list[tuple[int, int]] = []
+        for g, ids in enumerate(block_ids):
+            for raw in ids:
+                b = int(raw) if type(raw) is int else check_token_ids([raw], f"block_ids[{g}]")[0]
+                if groups[g].kind.value in ("full", "latent"):
+                    raise InvalidArgumentError(
+                        f"block_ids[{g}] ({groups[g].name}) must be empty: a {groups[g].kind.value} group keeps "
+                        "every block until the request ends"
+                    )
+                if (g, b) not in where:
+                    raise InvalidArgumentError(
+                        f"block_ids[{g}] ({groups[g].name}) must name blocks the request holds, got {b}"
+                    )
+                drops.append((g, b))
+        for g, b in drops:
+            i = where[(g, b)]
+            cells = list(rows[i])
+            cells[g] = -1
+            rows[i] = tuple(cells)
+            self._block_set.discard((mem[g], b))
+        fut: asyncio.Future[Any] = off.loop.create_future()
+        pending = [tf for tf in self._in_flight if not tf.done()]
+        if not pending:
+            fut.set_result(None)
+        else:
+            left = [len(pending)]
+
+            def one_done(_tf: TransferFuture) -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    resolve(fut, None)
+
+            for tf in pending:
+                tf.add_done_callback(one_done)
+        return _Completion(fut)
+
     def append_tokens(self, token_ids: Sequence[int]) -> None:
         """Append known tokens without reporting a step: ``num_computed_tokens`` and the block table stay as
         they are. For an engine whose scheduler learns sampled tokens after it reported the step that computed
@@ -473,7 +556,10 @@ class Request:
             n = int(n)
         blocks = self._blocks
         ids: list[int] = _EMPTY
-        if len(new_block_ids):
+        if self._grouped:
+            if len(new_block_ids):
+                ids = off.layout.check_rows(new_block_ids, "new_block_ids", self._block_set)  # type: ignore[attr-defined]
+        elif len(new_block_ids):
             ids = off.layout.check_block_ids(new_block_ids, "new_block_ids")
             held = self._block_set
             for b in ids:
@@ -503,7 +589,7 @@ class Request:
         mark = off._mark() if full > stored_upto and off._device is not None else None
         if ids:
             blocks.extend(ids)
-            self._block_set.update(ids)
+            self._block_set.update(off.layout.held(ids) if self._grouped else ids)  # type: ignore[attr-defined]
         if toks:
             token_ids.extend(toks)
         if self._hit_blocks is not None:
@@ -607,6 +693,12 @@ class Request:
     def _partial_tail(self) -> tuple[int, int, int, Any, int] | None:
         """(block index, engine block, tokens, mark, generation) of a partially computed last block, when
         configured to store it."""
+        if self._grouped:
+            # A grouped layout's "tail" is its final boundary: the window and state parts it needs.
+            full = min(self._stored_upto, len(self._blocks))
+            if full == 0 or self._abort_requested:
+                return None
+            return (_FINAL, full, self._blocks, None, self._epoch)  # type: ignore[return-value]
         if not self._off.store_partial_last_block:
             return None
         bs = self._off.block_size
@@ -698,7 +790,10 @@ class Request:
                         await self._drain()  # always: this is what makes the blocks reusable
                         self._unpin()
                         if kind is _Ev.FINISH and self._retain_s is not None:
-                            self._off._retain(self._hashes[: self._stored_upto], self._retain_s)
+                            kept = self._hashes[: self._stored_upto]
+                            if self._grouped:  # every unit the final boundary's hit needs
+                                kept = self._off._grouped.retain_keys(kept)  # type: ignore[attr-defined]
+                            self._off._retain(kept, self._retain_s)
                         result = None
                         if kind is not _Ev.PREEMPT:
                             self.state = RequestState.FINISHED if kind is _Ev.FINISH else RequestState.ABORTED
@@ -798,7 +893,10 @@ class Request:
         if tf is not None:
             self._track(tf)
 
-    def _store_partial(self, payload: tuple[int, int, int, Any, int]) -> None:
+    def _store_partial(self, payload: tuple[Any, ...]) -> None:
+        if payload[0] is _FINAL:
+            self._store_final(payload)
+            return
         index, block_id, k, mark, epoch = payload
         if self._abort_requested or index * self._off.block_size + k > self._store_cap:
             return
@@ -806,6 +904,25 @@ class Request:
             self._off._counters.stores_invalidated += 1
             return
         self._guarded(self._do_store_partial, index, block_id, k, mark)
+
+    def _store_final(self, payload: tuple[Any, ...]) -> None:
+        """A grouped layout's request finishes or is preempted after ``full`` blocks: store the window and
+        state units that boundary needs (and the fill-time rule did not store)."""
+        _tag, full, blocks, mark, epoch = payload
+        if self._abort_requested:
+            return
+        cap = self._store_cap // self._off.block_size
+        if full > cap:
+            return  # the final boundary lies past max_store_tokens: its parts were never wanted
+        if epoch == self._failed_epoch:
+            return
+        try:
+            tf = self._off._store_units(self._chain(full), 0, full, blocks, mark, self, final=True)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._off._store_not_submitted(self.request_id, exc)
+            return
+        if tf is not None:
+            self._track(tf)
 
     def _guarded(self, store: Any, *args: Any) -> None:
         """Run a store submission; a failure to submit (a bug, a closed executor) drops the store, is counted
@@ -834,6 +951,7 @@ class Request:
             self._off._unpin(self._pinned)
             self._pinned = []
             self._pinned_slots = []
+            self._pinned_plan = []
 
     def _parent(self, index: int) -> bytes:
         if index == 0:
@@ -856,6 +974,16 @@ class Request:
         if max_blocks * bs > load_cap:  # max_load_tokens
             max_blocks = load_cap // bs
         keys = self._chain(max_blocks)[:max_blocks]
+        if self._grouped:
+            found: tuple[int, list[bytes], list[int], list[tuple[int, int]]]
+            found = await off._grouped_lookup(keys, self)  # type: ignore[attr-defined]
+            hit, self._pinned, self._pinned_slots, self._pinned_plan = found
+            self._partial = 0
+            if epoch == self._epoch and self.state in _ADMITTING:
+                self._hit_blocks = hit
+            else:
+                self._unpin()
+            return hit * bs
         pinned, slots = await off._lookup_and_pin(keys, self)
         hit = len(pinned)
         partial = 0
@@ -892,13 +1020,22 @@ class Request:
             self._unpin()
             _settle_ticket(ticket, None)
             return 0
-        keys, slots = self._pinned[:n], self._pinned_slots[:n]
-        extra = self._pinned[n:]
-        self._pinned = []
-        self._pinned_slots = []
-        if extra:
-            off._unpin(extra)
-        assert len(keys) == n, "load() of more blocks than its lookup pinned"
+        if self._grouped:
+            keys, slots, block_ids = self._grouped_refs(block_ids, present)
+            if not keys:
+                _settle_ticket(ticket, None)
+                if self.state is RequestState.LOADING:
+                    self.state = RequestState.RUNNING
+                return restored
+            present = 0
+        else:
+            keys, slots = self._pinned[:n], self._pinned_slots[:n]
+            extra = self._pinned[n:]
+            self._pinned = []
+            self._pinned_slots = []
+            if extra:
+                off._unpin(extra)
+            assert len(keys) == n, "load() of more blocks than its lookup pinned"
         if present:
             # The engine holds these blocks' KV already: nothing is written into them.
             off._unpin(keys[:present])
@@ -935,6 +1072,33 @@ class Request:
             self.state = RequestState.RUNNING
         return restored
 
+    def _grouped_refs(self, rows: list[Any], present: int) -> tuple[list[bytes], list[int], list[Any]]:
+        """The pinned units a grouped load copies, with their ``(unit, row)`` copy refs: units of blocks the
+        load covers, past the ``present`` ones, whose groups hold an engine block there. The other pins are
+        released."""
+        parts = self._off._grouped.parts  # type: ignore[attr-defined]
+        unit_parts = self._off._grouped.unit_parts  # type: ignore[attr-defined]
+        n = len(rows)
+        keys: list[bytes] = []
+        slots: list[int] = []
+        refs: list[Any] = []
+        drop: list[bytes] = []
+        for key, slot, (b, u) in zip(self._pinned, self._pinned_slots, self._pinned_plan, strict=True):
+            if b >= n or b < present:
+                drop.append(key)
+                continue
+            row = rows[b]
+            if any(row[g] < 0 for g in parts[unit_parts[u][0]].groups):
+                drop.append(key)  # the engine holds no block there (and so needs none)
+                continue
+            keys.append(key)
+            slots.append(slot)
+            refs.append((u, row))
+        self._pinned, self._pinned_slots, self._pinned_plan = [], [], []
+        if drop:
+            self._off._unpin(drop)
+        return keys, slots, refs
+
     def _load_failed(self, epoch: int, restored: int) -> None:
         """The load of generation ``epoch`` restored nothing: its blocks hold garbage. Nothing computed over
         them may be stored; if the engine has computed nothing over them yet, the request counts 0 tokens
@@ -952,6 +1116,9 @@ class Request:
         self.num_computed_tokens = 0
         self._stored_upto = 0
         self._epoch += 1
+
+
+_FINAL = object()  # tags a grouped request's final-boundary payload on FINISH / PREEMPT
 
 
 RequestHandle = Request

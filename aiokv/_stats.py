@@ -24,6 +24,8 @@ class Counters:
         "misses",
         "requests_finished",
         "requests_opened",
+        "retention_units_late",
+        "retention_units_skipped",
         "staged_blocks",
         "staging_misses",
         "store_errors",
@@ -45,6 +47,10 @@ class Counters:
         self.misses = 0
         self.requests_finished = 0
         self.requests_opened = 0
+        self.retention_units_late = 0  # grouped layouts: window/state units stored at a final boundary
+        self.retention_units_skipped = (
+            0  # grouped layouts: window/state units not stored when their block filled
+        )
         self.staged_blocks = 0
         self.staging_misses = 0
         self.store_errors = 0
@@ -118,6 +124,9 @@ class OffloaderStats:
     planner_skipped_blocks: int = 0  # hits left to recompute: restoring their run was predicted to be slower
     planner_skipped_lookups: int = 0  # lower-tier lookups not made: no run that tier could hold would win
     planner: Any = None  # the load planner's PlannerStats: per-tier fitted latency_s, bytes_per_s, samples
+    # Grouped layouts (KVLayout.from_groups): bytes of sliding-window and state parts never stored because no
+    # kept boundary could use them (whole units, as the tiers would have held them).
+    retention_bytes_saved: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -28,7 +28,7 @@ from ._units import parse_assignments as _parse_assignments
 from ._version import __version__
 
 if TYPE_CHECKING:
-    from .replay import CostModel, ReplayResult, TierConfig, Trace
+    from .replay import CostModel, KVGroups, ReplayResult, TierConfig, Trace
 
 __all__ = ["main"]
 
@@ -93,6 +93,7 @@ def _synthetic_kwargs(spec: str) -> dict[str, Any]:
 
 
 def _add_replay(sub: Any) -> None:
+    from .replay._groups import GROUP_PRESETS
     from .replay._model import MODEL_PRESETS
 
     p = sub.add_parser(
@@ -131,6 +132,29 @@ def _add_replay(sub: Any) -> None:
     )
     p.add_argument(
         "--prefill-tokens-per-s", type=float, default=None, help="override the model's prefill speed"
+    )
+    p.add_argument(
+        "--kv-groups",
+        default=None,
+        metavar="PRESET|KIND:layers=N:bytes=SIZE[:window=TOKENS],...",
+        help="the model's KV-cache groups, stored as the offloader stores a grouped layout: a preset ("
+        + ", ".join(GROUP_PRESETS)
+        + ") or groups of kind full, sliding_window, latent or state with bytes per token and layer (per "
+        "snapshot and layer for state; default for full and sliding_window: --model's)",
+    )
+    p.add_argument(
+        "--checkpoint-blocks",
+        type=int,
+        default=None,
+        help="with --kv-groups: keep sliding-window and state parts every N blocks (default: the "
+        "offloader's, max(4 * window blocks, 16))",
+    )
+    p.add_argument(
+        "--target-hit-rate",
+        default=None,
+        metavar="RATIO|PCT%",
+        help="also find the smallest capacity of the swept tier (the first by default) reaching this token "
+        "hit ratio, e.g. 0.3 or 30%%",
     )
     p.add_argument(
         "--bandwidth",
@@ -182,6 +206,8 @@ class _ReplayPlan:
     model_desc: str
     cost: CostModel
     have_rich: bool
+    groups: KVGroups | None = None
+    target: float | None = None
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -202,6 +228,31 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"inflight must be >= 0, got {args.inflight}")
     if args.limit is not None and args.limit < 1:
         raise InvalidArgumentError(f"limit must be >= 1, got {args.limit}")
+    if args.checkpoint_blocks is not None:
+        if args.kv_groups is None:
+            raise InvalidArgumentError("checkpoint-blocks needs --kv-groups (it sets their retention)")
+        if not 1 <= args.checkpoint_blocks <= 1 << 30:
+            raise InvalidArgumentError(
+                f"checkpoint-blocks must be in [1, {1 << 30}], got {args.checkpoint_blocks}"
+            )
+    if args.kv_groups is not None and kv is not None:
+        raise InvalidArgumentError(
+            "kv-bytes-per-token must not be given with --kv-groups (the groups give the bytes per token)"
+        )
+
+
+def _parse_target(text: str) -> float:
+    """``--target-hit-rate``: ``0.3`` or ``30%`` -> 0.3, in (0, 1]."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise InvalidArgumentError(
+            f"target-hit-rate must be a ratio in (0, 1] or a percentage in (0%, 100%], got {text!r}"
+        )
+    return value
 
 
 def _parse_policies(text: str) -> list[str]:
@@ -301,14 +352,28 @@ def _plan_replay(args: argparse.Namespace) -> _ReplayPlan:
     model = MODEL_PRESETS[model_name]
     kv = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else model.kv_bytes_per_token
     speed = args.prefill_tokens_per_s if args.prefill_tokens_per_s is not None else model.prefill_tokens_per_s
+    groups = None
+    if args.kv_groups is not None:
+        from .replay import GROUP_PRESETS, parse_kv_groups
+
+        groups = parse_kv_groups(
+            args.kv_groups, default_bytes=kv // model.layers, checkpoint_blocks=args.checkpoint_blocks
+        )
+        preset = GROUP_PRESETS.get(args.kv_groups.strip())
+        if preset is not None and args.model is None and args.prefill_tokens_per_s is None:
+            speed = preset.prefill_tokens_per_s
+        kv = groups.plan(args.block_tokens).kv_bytes_per_token
+    target = None if args.target_hit_rate is None else _parse_target(args.target_hit_rate)
     tiers = _parse_tiers(args.tiers, args.bandwidth)
     sweep_tier, sweep_sizes = tiers[0].name, None
     if args.sweep is not None:
         sweep_tier, sweep_sizes = _parse_sweep(args.sweep, tiers)
     fixed = [t for t in tiers if args.sweep is None or t.name != sweep_tier]
     for t in fixed + [TierConfig(sweep_tier, size) for size in sweep_sizes or ()]:
-        check_capacity(t, block_tokens=args.block_tokens, kv_bytes_per_token=kv)
-    if args.kv_bytes_per_token is None:
+        check_capacity(t, block_tokens=args.block_tokens, kv_bytes_per_token=kv, groups=groups)
+    if groups is not None:
+        model_desc = f"groups {groups.name}"
+    elif args.kv_bytes_per_token is None:
         model_desc = model_name + (" (default)" if args.model is None else "")
     else:
         model_desc = f"{kv} KV bytes/token"
@@ -322,6 +387,8 @@ def _plan_replay(args: argparse.Namespace) -> _ReplayPlan:
         model_desc=model_desc,
         cost=CostModel(speed, load_policy=args.load_policy),
         have_rich=have_rich,
+        groups=groups,
+        target=target,
     )
 
 
@@ -349,6 +416,9 @@ def _execute(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace) -> list[
     from .replay import auto_capacities, sweep
 
     block_bytes = trace.block_tokens * plan.kv_bytes_per_token
+    if plan.groups is not None:
+        gp = plan.groups.plan(trace.block_tokens)
+        block_bytes = gp.units * gp.unit_bytes
     capacities: list[int | None]
     if args.sweep is None:
         capacities = [next(t.capacity_bytes for t in plan.tiers if t.name == plan.sweep_tier)]
@@ -364,7 +434,8 @@ def _execute(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace) -> list[
             policies=plan.policies,
             sweep_tier=plan.sweep_tier,
             capacities=capacities,
-            kv_bytes_per_token=plan.kv_bytes_per_token,
+            kv_bytes_per_token=plan.kv_bytes_per_token if plan.groups is None else None,
+            groups=plan.groups,
             cost=plan.cost,
             inflight=args.inflight,
             progress=progress,
@@ -389,9 +460,81 @@ def _execute(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace) -> list[
         return run(lambda n: bar.advance(task, n))
 
 
-def _report(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace, results: list[ReplayResult]) -> int:
+@dataclass(frozen=True, slots=True)
+class _Extras:
+    """What ``--kv-groups`` and ``--target-hit-rate`` add: each run again with the model counted as all-full
+    (when it has sliding-window groups), and the capacity reaching the target per policy."""
+
+    as_full: list[ReplayResult | None]
+    targets: list[dict[str, Any]]
+
+
+def _extras(
+    args: argparse.Namespace, plan: _ReplayPlan, trace: Trace, results: list[ReplayResult]
+) -> _Extras:
+    from ._errors import CapacityError
+    from .replay import TierConfig, capacity_for_hit_ratio, replay
+
+    full = (
+        plan.groups.as_full() if plan.groups is not None and "sliding_window" in plan.groups.kinds else None
+    )
+    as_full: list[ReplayResult | None] = []
+    if full is not None:
+        for r in results:
+            try:
+                as_full.append(
+                    replay(
+                        trace,
+                        [TierConfig(t.name, t.capacity_bytes, t.bandwidth, t.policy) for t in r.tiers],
+                        policy=r.tiers[0].policy,
+                        groups=full,
+                        cost=plan.cost,
+                        inflight=args.inflight,
+                    )
+                )
+            except CapacityError:  # a swept capacity below one all-full key block
+                as_full.append(None)
+    targets: list[dict[str, Any]] = []
+    if plan.target is not None:
+        kv = plan.kv_bytes_per_token if plan.groups is None else None
+        for pol in plan.policies:
+            entry: dict[str, Any] = {"policy": pol, "tier": plan.sweep_tier, "target": plan.target}
+            for key, groups in (("groups", plan.groups), ("as_full", full)):
+                if key == "as_full" and groups is None:
+                    continue
+                cap, r = capacity_for_hit_ratio(
+                    trace,
+                    plan.tiers,
+                    plan.target,
+                    tier=plan.sweep_tier,
+                    policy=pol,
+                    kv_bytes_per_token=kv if key == "groups" else None,
+                    groups=groups,
+                    cost=plan.cost,
+                    inflight=args.inflight,
+                )
+                found = {
+                    "capacity_bytes": cap,
+                    "token_hit_ratio": r.token_hit_ratio,
+                    "stored_bytes": r.stored_bytes,
+                }
+                if key == "groups":
+                    entry.update(found)
+                else:
+                    entry["as_full"] = found
+            targets.append(entry)
+    return _Extras(as_full, targets)
+
+
+def _report(
+    args: argparse.Namespace,
+    plan: _ReplayPlan,
+    trace: Trace,
+    results: list[ReplayResult],
+    extras: _Extras | None = None,
+) -> int:
     from .replay import TTFT_FORMULA, format_size, max_prefix_reuse
-    from .replay._report import results_json, results_table, save_plot, tier_table
+    from .replay._report import groups_table, results_json, results_table, save_plot, tier_table
 
     kv = plan.kv_bytes_per_token
     block_bytes = trace.block_tokens * kv
@@ -418,6 +561,12 @@ def _report(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace, results: 
             "sweep_tier": plan.sweep_tier,
             "ttft_formula": TTFT_FORMULA,
         }
+        if plan.groups is not None:
+            meta["kv_groups"] = plan.groups.name
+        if extras is not None and extras.as_full:
+            meta["as_full_runs"] = [None if r is None else r.to_dict() for r in extras.as_full]
+        if extras is not None and plan.target is not None:
+            meta["targets"] = extras.targets
         sys.stdout.write(results_json(results, **meta) + "\n")
     else:
         from rich.console import Console
@@ -443,9 +592,18 @@ def _report(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace, results: 
                 f"[dim]load policy decide: hits in {', '.join(sorted(skipped))} are recomputed (loading them is "
                 "slower than recomputing; --load-policy always loads them)[/]"
             )
+        if plan.groups is not None:
+            console.print(
+                groups_table(
+                    plan.groups.plan(trace.block_tokens),
+                    title=f"KV-cache groups: {escape(plan.groups.name or '')}",
+                )
+            )
         console.print(results_table(results))
         if len(results) == 1:
             console.print(tier_table(results[0]))
+        if extras is not None:
+            _print_extras(console, plan, results, extras)
         refs_per_s = sum(r.block_refs for r in results) / max(sum(r.elapsed_s for r in results), 1e-9)
         console.print(f"[dim]{len(results)} run(s), {refs_per_s:,.0f} block refs/s through the index[/]")
     if args.plot is not None:
@@ -461,6 +619,46 @@ def _report(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace, results: 
         if not args.json:
             print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _print_extras(console: Any, plan: _ReplayPlan, results: list[ReplayResult], extras: _Extras) -> None:
+    from .replay import format_size
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}%"
+
+    for r, f in zip(results, extras.as_full, strict=False):
+        caps = ", ".join(f"{t.name}={format_size(t.capacity_bytes)}" for t in r.tiers)
+        line = (
+            f"{r.policy} ({caps}): stored {format_size(r.stored_bytes)}, retention saved "
+            f"{format_size(r.retention_saved_bytes)}, token hits {pct(r.token_hit_ratio)}"
+        )
+        if f is not None:
+            ratio = f"{f.stored_bytes / r.stored_bytes:.1f}x" if r.stored_bytes else "-"
+            line += f"; as all-full: stored {format_size(f.stored_bytes)} ({ratio}), token hits {pct(f.token_hit_ratio)}"
+        console.print(line)
+    if plan.groups is not None and not extras.as_full:
+        for r in results:
+            console.print(
+                f"{r.policy}: stored {format_size(r.stored_bytes)}, retention saved {format_size(r.retention_saved_bytes)}"
+            )
+    for t in extras.targets:
+        head = f"capacity of {t['tier']} for {pct(t['target'])} token hits ({t['policy']}): "
+        cap = t["capacity_bytes"]
+        line = head + (
+            format_size(cap)
+            if cap is not None
+            else f"not reached (at most {pct(t['token_hit_ratio'])} with unlimited capacity)"
+        )
+        full = t.get("as_full")
+        if full is not None:
+            cap = full["capacity_bytes"]
+            line += "; as all-full: " + (
+                format_size(cap)
+                if cap is not None
+                else f"not reached (at most {pct(full['token_hit_ratio'])})"
+            )
+        console.print(line)
 
 
 def _run_replay(args: argparse.Namespace) -> int:
@@ -484,8 +682,13 @@ def _run_replay(args: argparse.Namespace) -> int:
         )
         started = time.perf_counter()
         results = _execute(args, plan, trace)
+        extras = (
+            _extras(args, plan, trace, results)
+            if plan.groups is not None or plan.target is not None
+            else None
+        )
         log.info("%d replays in %.2f s", len(results), time.perf_counter() - started)
-        return _report(args, plan, trace, results)
+        return _report(args, plan, trace, results, extras)
 
 
 # ------------------------------------------------------------------------------------------------ logging

@@ -79,9 +79,10 @@ def test_init_defines_nothing_itself() -> None:
             continue
         obj = getattr(aiokv, name)
         module = getattr(obj, "__module__", None)
-        if module is None:  # constants (bytes): must be the very object of a private module
-            assert name == "NONE_ROOT"
-            assert obj is importlib.import_module("aiokv._hashing").NONE_ROOT
+        if module is None:  # constants: must be the very object of a private module
+            home = {"NONE_ROOT": "aiokv._hashing", "NO_BLOCK": "aiokv._groups"}
+            assert name in home
+            assert obj is getattr(importlib.import_module(home[name]), name)
             continue
         assert module.startswith(ALLOWED_PREFIXES), f"{name} is defined in {module}"
         assert getattr(sys.modules[module], obj.__name__) is obj

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aiokv import InvalidArgumentError, KVLayout
+from aiokv import InvalidArgumentError, KVGroup, KVLayout
 
 from ._model import ModelConfig
 
@@ -37,14 +37,48 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.tensors: tuple[torch.Tensor, ...] = tuple(
-            torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(2 * config.num_layers)
-        )
+        self.groups = config.cache_groups(num_blocks, block_size)
+        if self.grouped:
+            # Sliding-window, latent or state layers: each group's tensors have their own per-block shape.
+            flat: list[torch.Tensor | None] = [None] * sum(len(g.tensor_indices) for g in self.groups)
+            for g in self.groups:
+                for i in g.tensor_indices:
+                    flat[i] = torch.zeros(g.shape, dtype=config.dtype, device=self.device)
+            self.tensors: tuple[torch.Tensor, ...] = tuple(t for t in flat if t is not None)
+        else:
+            shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+            self.tensors = tuple(
+                torch.zeros(shape, dtype=config.dtype, device=self.device)
+                for _ in range(2 * config.num_layers)
+            )
 
-    def layout(self, *, model_id: str | None = None) -> KVLayout:
-        """The :class:`aiokv.KVLayout` describing these tensors (what :class:`aiokv.Offloader` takes)."""
-        return KVLayout(list(self.tensors), block_size=self.block_size, block_dim=0, model_id=model_id)
+    @property
+    def grouped(self) -> bool:
+        """Whether the model keeps more than plain K/V per layer (sliding window, latent or state layers):
+        :meth:`layout` is then a grouped layout and the engine gives aiokv block ids per group."""
+        return self.config.group_kinds != ("full",)
+
+    def layout(self, *, model_id: str | None = None, checkpoint_blocks: int | None = None) -> KVLayout:
+        """The :class:`aiokv.KVLayout` describing these tensors (what :class:`aiokv.Offloader` takes): one
+        group of K/V tensors, or for a model with sliding-window, latent or state layers one
+        :class:`aiokv.KVGroup` per kind (``checkpoint_blocks``: see :meth:`aiokv.KVLayout.from_groups`)."""
+        if not self.grouped:
+            return KVLayout(list(self.tensors), block_size=self.block_size, block_dim=0, model_id=model_id)
+        return KVLayout.from_groups(
+            [
+                KVGroup(
+                    [self.tensors[i] for i in g.tensor_indices],
+                    kind=g.kind,
+                    window=g.window,
+                    token_dim=None if g.kind == "state" else "after_block_dim",
+                    name=g.kind,
+                )
+                for g in self.groups
+            ],
+            self.block_size,
+            model_id=model_id,
+            checkpoint_blocks=checkpoint_blocks,
+        )
 
     @property
     def nbytes(self) -> int:

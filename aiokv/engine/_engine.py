@@ -248,7 +248,9 @@ class Engine:
             raise InvalidArgumentError(f"max_num_batched_tokens must be > 0, got {max_num_batched_tokens}")
         if offloader is not None:
             layout = offloader.layout
-            if layout.block_size != cache.block_size or list(layout.tensors) != list(cache.tensors):
+            if layout.block_size != cache.block_size or sorted(map(id, layout.tensors)) != sorted(
+                map(id, cache.tensors)
+            ):
                 raise InvalidArgumentError("offloader must be built on cache.layout()")
         if torch_threads is not None:
             # Process-wide. Measured on 2 cores: 1 intra-op thread is ~10x faster for decode-sized ops
@@ -263,6 +265,9 @@ class Engine:
         # The load planner's prefill measurements (an offloader-like object without them gets none).
         self._record_prefill: Callable[[int, float], None] | None = getattr(offloader, "record_prefill", None)
         self.block_size = cache.block_size
+        # A grouped layout (sliding-window, latent or state layers) takes block ids per group: the engine's one
+        # block table serves every group (each group's tensors are indexed by the same block ids).
+        self._group_count = len(getattr(offloader.layout, "groups", ())) if offloader is not None else 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._on_blocks = on_blocks
@@ -723,7 +728,11 @@ class Engine:
         seq.reported = len(seq.blocks)
         new_tokens = seq.tokens[seq.reported_tokens :]
         seq.reported_tokens = len(seq.tokens)
-        seq.handle.step(end, new_token_ids=new_tokens, new_block_ids=new_blocks)
+        seq.handle.step(end, new_token_ids=new_tokens, new_block_ids=self._aiokv_ids(new_blocks))
+
+    def _aiokv_ids(self, blocks: list[int]) -> Any:
+        """Block ids as aiokv takes them: the list, or one (shared) list per group of a grouped layout."""
+        return (blocks,) * self._group_count if self._group_count else blocks
 
     # ------------------------------------------------------------------ sync core
 
@@ -782,7 +791,7 @@ class Engine:
                 if n_hit:
                     blocks = seq.blocks[:n_hit]
                     t0 = time.perf_counter()
-                    pending = seq.handle.load(blocks)
+                    pending = seq.handle.load(self._aiokv_ids(blocks))
                     seq.reported = n_hit  # the blocks are in aiokv's table whatever the copy does
                     if self._device is not None:
                         # No host round trip: the forwards of this request wait for the copy on the device.

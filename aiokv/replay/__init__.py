@@ -4,6 +4,7 @@ policies, with transfers replaced by a bandwidth model. See docs/replay.md and `
 The public API is re-exported here; nothing is defined in this module.
 """
 
+from ._groups import GROUP_KINDS, GROUP_PRESETS, GroupPlan, GroupPreset, GroupSpec, KVGroups, parse_kv_groups
 from ._model import (
     DEFAULT_BANDWIDTHS,
     MODEL_PRESETS,
@@ -14,7 +15,15 @@ from ._model import (
     parse_bandwidth,
     parse_size,
 )
-from ._sim import ReplayResult, TierConfig, TierResult, auto_capacities, replay, sweep
+from ._sim import (
+    ReplayResult,
+    TierConfig,
+    TierResult,
+    auto_capacities,
+    capacity_for_hit_ratio,
+    replay,
+    sweep,
+)
 from ._trace import (
     MAX_HASH_IDS,
     MAX_LINE_BYTES,
@@ -28,12 +37,18 @@ from ._trace import (
 
 __all__ = [
     "DEFAULT_BANDWIDTHS",
+    "GROUP_KINDS",
+    "GROUP_PRESETS",
     "MAX_HASH_IDS",
     "MAX_LINE_BYTES",
     "MAX_SYNTHETIC_REFS",
     "MODEL_PRESETS",
     "TTFT_FORMULA",
     "CostModel",
+    "GroupPlan",
+    "GroupPreset",
+    "GroupSpec",
+    "KVGroups",
     "ModelPreset",
     "ReplayResult",
     "TierConfig",
@@ -41,9 +56,11 @@ __all__ = [
     "Trace",
     "TraceRequest",
     "auto_capacities",
+    "capacity_for_hit_ratio",
     "format_size",
     "load_trace",
     "max_prefix_reuse",
+    "parse_kv_groups",
     "parse_bandwidth",
     "parse_size",
     "replay",

@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import InvalidArgumentError, MissingDependencyError
+from ._groups import GroupPlan, group_rows
 from ._model import TTFT_FORMULA, format_size
 from ._sim import ReplayResult
 
 __all__ = [
     "PLOT_FORMATS",
     "check_plot_path",
+    "groups_table",
     "require_matplotlib",
     "results_json",
     "results_table",
@@ -94,7 +96,8 @@ def tier_table(result: ReplayResult) -> Any:
     from rich.table import Table
 
     table = Table(title=f"{result.policy}: per tier")
-    cols = ("tier", "capacity", "blocks", "hits", "hit tokens", "loaded", "load time", "TTFT saved", "stored")
+    slots = "blocks" if result.groups is None else "units"  # with groups a tier holds units
+    cols = ("tier", "capacity", slots, "hits", "hit tokens", "loaded", "load time", "TTFT saved", "stored")
     for col in (*cols, "staged", "evicted"):
         table.add_column(col, justify="left" if col == "tier" else "right")
     for t in result.tiers:
@@ -110,6 +113,44 @@ def tier_table(result: ReplayResult) -> Any:
             format_size(t.stored_bytes),
             format_size(t.staged_bytes),
             format_size(t.evicted_bytes),
+        )
+    return table
+
+
+def groups_table(plan: GroupPlan, *, title: str | None = None) -> Any:
+    """The key block by group: kind, layers, window, bytes per block, and the part it is stored in (units of
+    the plan's unit, padding, and which blocks are kept)."""
+    from rich.table import Table
+
+    table = Table(
+        title=title,
+        caption=(
+            f"a {plan.block_tokens}-token key block: {plan.units} units of {format_size(plan.unit_bytes)} "
+            f"({format_size(plan.units * plan.unit_bytes)} with every part, "
+            f"{format_size(plan.padding_bytes)} of it padding); sliding-window and state parts are kept only "
+            f"every {plan.checkpoint_blocks} blocks and at each prompt's end"
+        ),
+        caption_justify="left",
+    )
+    for col in ("group", "kind", "layers", "window", "bytes/token/layer", "bytes/block", "units", "kept"):
+        table.add_column(col, justify="left" if col in ("group", "kind", "kept") else "right")
+    for row in group_rows(plan):
+        kind = row["kind"]
+        if kind in ("full", "latent"):
+            kept = "every block"
+        elif kind == "state":
+            kept = "the snapshot at a kept boundary"
+        else:
+            kept = f"the {row['window_blocks']} block(s) before a kept boundary"
+        table.add_row(
+            row["name"],
+            kind,
+            str(row["layers"]),
+            "-" if row["window"] is None else f"{row['window']:,}",
+            f"{row['bytes_per_layer']:,}" + (" /snapshot" if kind == "state" else ""),
+            format_size(row["block_bytes"]),
+            f"{row['part_units']} (part {row['part']})",
+            kept,
         )
     return table
 

@@ -31,10 +31,19 @@ from typing import Any
 from .._errors import CapacityError, InvalidArgumentError, InvalidTypeError
 from ..tiers._index import BlockIndex
 from ..tiers._policies import make_policy, policy_names
+from ._groups import GroupPlan, KVGroups, group_rows
 from ._model import DEFAULT_BANDWIDTHS, TTFT_FORMULA, CostModel
 from ._trace import Trace
 
-__all__ = ["ReplayResult", "TierConfig", "TierResult", "auto_capacities", "replay", "sweep"]
+__all__ = [
+    "ReplayResult",
+    "TierConfig",
+    "TierResult",
+    "auto_capacities",
+    "capacity_for_hit_ratio",
+    "replay",
+    "sweep",
+]
 
 ProgressFn = Callable[[int], None]
 """Called with the number of block references processed since the previous call."""
@@ -105,9 +114,17 @@ class TierResult:
     block_bytes: int
     skipped_blocks: int = 0  # hits recomputed instead (load_policy="decide": loading them was slower)
     skipped_tokens: int = 0
+    # A replay with KV-cache groups: the tier holds units of ``unit_bytes`` (= block_bytes), so ``slots``,
+    # ``stored_blocks``, ``staged_blocks`` and ``evicted_blocks`` count units; ``hit_blocks`` counts key blocks
+    # (each attributed to the slowest tier that served one of its units) and ``hit_units`` the units served.
+    unit_bytes: int = 0  # 0: one uniform cache (no groups)
+    hit_units: int = 0
+    skipped_units: int = 0
 
     @property
     def loaded_bytes(self) -> int:
+        if self.unit_bytes:
+            return (self.hit_units - self.skipped_units) * self.unit_bytes
         return (self.hit_blocks - self.skipped_blocks) * self.block_bytes
 
     @property
@@ -145,6 +162,18 @@ class ReplayResult:
     tiers: tuple[TierResult, ...]
     elapsed_s: float = field(compare=False)
     load_policy: str = "always"
+    groups: GroupPlan | None = None  # the key block's parts and units, for a replay with KV-cache groups
+    retention_saved_bytes: int = 0  # window and state parts the retention did not store (padded units)
+
+    @property
+    def unit_bytes(self) -> int:
+        """The bytes of one stored entry: a unit with groups, else a block."""
+        return self.groups.unit_bytes if self.groups is not None else self.block_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes written to the first tier by stores (staging left out): what the requests' KV costs."""
+        return self.tiers[0].stored_bytes if self.tiers else 0
 
     @property
     def skipped_tokens(self) -> int:
@@ -186,9 +215,12 @@ class ReplayResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the fields plus the derived ratios and byte counts."""
         out = asdict(self)
+        grouped = out.pop("groups") is not None
+        saved = out.pop("retention_saved_bytes")
+        unit_fields = ("unit_bytes", "hit_units", "skipped_units")
         out["tiers"] = [
             {
-                **asdict(t),
+                **{k: v for k, v in asdict(t).items() if grouped or k not in unit_fields},
                 "hit_ratio": t.hit_blocks / self.block_refs if self.block_refs else 0.0,
                 "loaded_bytes": t.loaded_bytes,
                 "stored_bytes": t.stored_bytes,
@@ -208,12 +240,39 @@ class ReplayResult:
             refs_per_s=self.refs_per_s,
             skipped_tokens=self.skipped_tokens,
         )
+        if self.groups is not None:
+            plan = self.groups
+            out["groups"] = {
+                "unit_bytes": plan.unit_bytes,
+                "units_per_block": plan.units,
+                "padding_bytes_per_block": plan.padding_bytes,
+                "checkpoint_blocks": plan.checkpoint_blocks,
+                "groups": group_rows(plan),
+            }
+            out["retention_saved_bytes"] = saved
+            out["stored_bytes"] = self.stored_bytes
         return out
 
 
-def check_capacity(tier: TierConfig, *, block_tokens: int, kv_bytes_per_token: int) -> None:
-    """Raise :class:`CapacityError` unless ``tier`` holds at least one block (checked by :func:`replay`; callers
-    may check before loading a trace)."""
+def check_capacity(
+    tier: TierConfig,
+    *,
+    block_tokens: int,
+    kv_bytes_per_token: int | None = None,
+    groups: KVGroups | None = None,
+) -> None:
+    """Raise :class:`CapacityError` unless ``tier`` holds at least one block (with ``groups``: one key block
+    with every part, in units) (checked by :func:`replay`; callers may check before loading a trace)."""
+    if groups is not None:
+        plan = groups.plan(block_tokens)
+        need = plan.units * plan.unit_bytes
+        if tier.capacity_bytes is not None and tier.capacity_bytes < need:
+            raise CapacityError(
+                f"capacity of tier {tier.name!r} must hold at least one key block of {need} bytes "
+                f"({plan.units} units of {plan.unit_bytes} bytes), got {tier.capacity_bytes}"
+            )
+        return
+    assert kv_bytes_per_token is not None
     block_bytes = block_tokens * kv_bytes_per_token
     if tier.capacity_bytes is not None and tier.capacity_bytes < block_bytes:
         raise CapacityError(
@@ -294,20 +353,171 @@ def _run(
     return hit_blocks, hit_tokens, stored, staged, total_hit_tokens
 
 
+@dataclass(slots=True)
+class _GroupedCounts:
+    hit_blocks: list[int]
+    hit_tokens: list[int]
+    hit_units: list[int]
+    stored: list[int]
+    staged: list[int]
+    total_hit_tokens: int = 0
+    skipped_units: int = 0  # window and state units the retention did not store
+
+
+def _run_grouped(
+    trace: Trace, plan: GroupPlan, indexes: Sequence[BlockIndex], inflight: int, progress: ProgressFn | None
+) -> _GroupedCounts:
+    """The grouped replay: the offloader's store rule (:class:`aiokv._grouprule.Retention`) and hit rule
+    (:func:`aiokv._grouprule.longest_hit`) over units, each unit an independent entry of every tier.
+
+    Lookup: presence of every unit across the tiers gives ``N = longest_hit(...)``; the base units of the
+    leading run are touched unit by unit (as the offloader pins them, past ``N`` too), then the state units
+    at ``N`` and the window units before it from the latest block down (the order of
+    ``GroupedLayout.needed_units``), each in the fastest tier holding it and staged into the faster ones.
+    Store: the recomputed blocks ``[N, n)`` as ``_store_units`` stores them, every unit of a request reserved
+    before any is committed (a store never evicts its own units). A replayed request ends at its prompt's
+    end, which the fill-time rule already keeps, so the finish-time rule adds nothing here.
+    """
+    from .._grouprule import Retention, longest_hit, window_blocks
+
+    m = len(indexes)
+    bt = trace.block_tokens
+    keep = Retention(plan.checkpoint_blocks)
+    parts = plan.parts
+    identity = parts[0].cls == "base"  # the first base unit's key is the block's key itself
+    suffix = [b"/aiokv-unit/" + u.to_bytes(2, "little") for u in range(plan.units)]
+    base_units = [u for p, part in enumerate(parts) if part.cls == "base" for u in plan.part_units(p)]
+    windows: list[tuple[int, list[int]]] = []
+    for p, part in enumerate(parts):
+        if part.cls == "window":
+            w = window_blocks(plan.groups[part.groups[0]].window or 1, bt)
+            assert w == part.window_blocks, "the plan's window blocks must be aiokv._groups.window_blocks"
+            windows.append((w, list(plan.part_units(p))))
+    states = [list(plan.part_units(p)) for p, part in enumerate(parts) if part.cls == "state"]
+    reach = max((w for w, _u in windows), default=0)
+    c = _GroupedCounts([0] * m, [0] * m, [0] * m, [0] * m, [0] * m)
+    pending: deque[tuple[tuple[bytes, ...], int]] = deque()
+    step_refs = 0
+
+    def ukey(key: bytes, u: int) -> bytes:
+        return key if u == 0 and identity else key + suffix[u]
+
+    def where(key: bytes) -> int:
+        for t in range(m):
+            if key in indexes[t]:
+                return t
+        return -1
+
+    def have(key: bytes, units: Sequence[int]) -> bool:
+        return all(where(ukey(key, u)) >= 0 for u in units)
+
+    def serve(key: bytes, parent: bytes | None, depth: int) -> int:
+        """Touch ``key`` in the fastest tier holding it and stage it into the faster ones; that tier."""
+        t = where(key)
+        indexes[t].touch(key)
+        for s in range(t):
+            if indexes[s].insert_ready(key, parent, depth) is not None:
+                c.staged[s] += 1
+        return t
+
+    def store(keys: tuple[bytes, ...], start: int) -> None:
+        n = len(keys)
+        todo: list[tuple[bytes, bytes | None, int]] = []
+        for j in range(start, n):
+            key = keys[j]
+            parent = keys[j - 1] if j else None
+            todo.extend((ukey(key, u), parent, j) for u in base_units)
+            for w, units in windows:
+                if keep.keep_window_at_fill(j, w, n):
+                    todo.extend((ukey(key, u), None, j) for u in units)
+                else:
+                    c.skipped_units += len(units)
+            for units in states:
+                if keep.keep_state_at_fill(j + 1, n):
+                    todo.extend((ukey(key, u), None, j) for u in units)
+                else:
+                    c.skipped_units += len(units)
+        for t, index in enumerate(indexes):
+            reserved = [k for k, parent, depth in todo if index.reserve(k, parent, depth) is not None]
+            for k in reserved:
+                index.commit(k)
+            c.stored[t] += len(reserved)
+
+    for req in trace.requests:
+        keys = req.keys
+        n = len(keys)
+        limit = req.input_tokens
+        # 1. lookup: the longest N the hit rule allows over the units present in any tier
+        base: list[bool] | None = None
+        top = n
+        if base_units:
+            base = []
+            for key in keys:
+                base.append(have(key, base_units))
+                if not base[-1]:
+                    break
+            top = len(base) - (0 if not base or base[-1] else 1)
+        wins = [(w, [have(keys[j], units) for j in range(top)]) for w, units in windows]
+        snaps = [[have(keys[j], units) for j in range(top)] for units in states]
+        hit = longest_hit(n, base, wins, snaps)
+        tier_of = [0] * hit
+        for u in base_units:
+            for i in range(top):
+                t = serve(ukey(keys[i], u), keys[i - 1] if i else None, i)
+                if i < hit:
+                    c.hit_units[t] += 1
+                    tier_of[i] = max(tier_of[i], t)
+        if hit:
+            for units in states:
+                for u in units:
+                    t = serve(ukey(keys[hit - 1], u), None, hit - 1)
+                    c.hit_units[t] += 1
+                    tier_of[hit - 1] = max(tier_of[hit - 1], t)
+            for j in range(hit - 1, max(0, hit - reach) - 1, -1):
+                for w, units in windows:
+                    if j >= hit - w:
+                        for u in units:
+                            t = serve(ukey(keys[j], u), None, j)
+                            c.hit_units[t] += 1
+                            tier_of[j] = max(tier_of[j], t)
+        for i, t in enumerate(tier_of):
+            c.hit_blocks[t] += 1
+            c.hit_tokens[t] += min((i + 1) * bt, limit) - min(i * bt, limit)
+        c.total_hit_tokens += min(hit * bt, limit)
+        # 2. store the recomputed blocks after ``inflight`` later lookups
+        if hit < n:
+            pending.append((keys, hit))
+        while len(pending) > inflight:
+            store(*pending.popleft())
+        if progress is not None:
+            step_refs += n
+            if step_refs >= 65536:
+                progress(step_refs)
+                step_refs = 0
+    while pending:
+        store(*pending.popleft())
+    if progress is not None and step_refs:
+        progress(step_refs)
+    return c
+
+
 def replay(
     trace: Trace,
     tiers: Sequence[TierConfig],
     *,
     policy: str = "lru",
-    kv_bytes_per_token: int,
+    kv_bytes_per_token: int | None = None,
     cost: CostModel,
     inflight: int = 0,
     progress: ProgressFn | None = None,
+    groups: KVGroups | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through one :class:`BlockIndex` per tier (see the module docstring for the rules).
 
     ``inflight`` models concurrent prefills: a request's recomputed blocks are stored only after the next
-    ``inflight`` requests have looked up (0: before the next request).
+    ``inflight`` requests have looked up (0: before the next request). Give either ``kv_bytes_per_token`` (one
+    uniform cache) or ``groups`` (the model's KV-cache groups: each key block is stored as the offloader stores
+    a grouped layout's, in units, and hits follow the group rule; see :func:`_run_grouped`).
     """
     if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 0:
         raise InvalidArgumentError(f"inflight must be an int >= 0, got {inflight!r}")
@@ -316,39 +526,81 @@ def replay(
     names = [t.name for t in tiers]
     if len(set(names)) != len(names):
         raise InvalidArgumentError(f"tier names must be unique, got {names}")
-    if (
-        isinstance(kv_bytes_per_token, bool)
-        or not isinstance(kv_bytes_per_token, int)
-        or kv_bytes_per_token <= 0
-    ):
-        raise InvalidArgumentError(f"kv_bytes_per_token must be a positive int, got {kv_bytes_per_token!r}")
     bt = trace.block_tokens
-    block_bytes = bt * kv_bytes_per_token
+    plan: GroupPlan | None = None
+    if groups is not None:
+        if not isinstance(groups, KVGroups):
+            raise InvalidTypeError(f"groups must be an aiokv.replay.KVGroups, got {type(groups).__name__}")
+        if kv_bytes_per_token is not None:
+            raise InvalidArgumentError(
+                "kv_bytes_per_token must be None when groups are given (they give the bytes)"
+            )
+        plan = groups.plan(bt)
+        kv_bytes_per_token = plan.kv_bytes_per_token
+        block_bytes = plan.block_bytes
+        slot_bytes = plan.unit_bytes
+        max_slots = max(trace.unique_blocks * plan.units, 1)
+    else:
+        if (
+            isinstance(kv_bytes_per_token, bool)
+            or not isinstance(kv_bytes_per_token, int)
+            or kv_bytes_per_token <= 0
+        ):
+            raise InvalidArgumentError(
+                f"kv_bytes_per_token must be a positive int, got {kv_bytes_per_token!r}"
+            )
+        block_bytes = slot_bytes = bt * kv_bytes_per_token
+        max_slots = max(trace.unique_blocks, 1)
     policies = [t.policy or policy for t in tiers]
     for name in policies:
         _check_policy(name)
     bandwidths = [t.resolved_bandwidth() for t in tiers]
     for cfg in tiers:
-        check_capacity(cfg, block_tokens=bt, kv_bytes_per_token=kv_bytes_per_token)
+        check_capacity(cfg, block_tokens=bt, kv_bytes_per_token=kv_bytes_per_token, groups=groups)
     indexes: list[BlockIndex] = []
     for cfg, pol in zip(tiers, policies, strict=True):
-        slots = max(trace.unique_blocks, 1)
+        slots = max_slots
         if cfg.capacity_bytes is not None:
-            slots = min(cfg.capacity_bytes // block_bytes, slots)
+            slots = min(cfg.capacity_bytes // slot_bytes, slots)
         indexes.append(BlockIndex(slots, make_policy(pol, slots)))
 
     gc_was_enabled = gc.isenabled()
     gc.disable()  # millions of small acyclic objects (entries, policy nodes): cyclic GC passes only cost time
     try:
         started = time.perf_counter()
-        hit_blocks, hit_tokens, stored, staged, total_hit_tokens = _run(trace, indexes, inflight, progress)
+        if plan is None:
+            hit_blocks, hit_tokens, stored, staged, total_hit_tokens = _run(
+                trace, indexes, inflight, progress
+            )
+            hit_units = [0] * len(tiers)
+            skipped_units = 0
+        else:
+            counts = _run_grouped(trace, plan, indexes, inflight, progress)
+            hit_blocks, hit_tokens, stored, staged = (
+                counts.hit_blocks,
+                counts.hit_tokens,
+                counts.stored,
+                counts.staged,
+            )
+            total_hit_tokens, hit_units, skipped_units = (
+                counts.total_hit_tokens,
+                counts.hit_units,
+                counts.skipped_units,
+            )
         elapsed = time.perf_counter() - started
     finally:
         if gc_was_enabled:
             gc.enable()
 
+    # The planner weighs a tier's load of a hit block against recomputing it: with groups a hit block's
+    # bytes are the run's average (every base unit, the window and state units near the boundary).
+    decide_bytes = block_bytes
+    if plan is not None:
+        decide_bytes = plan.unit_bytes * max(
+            1, round(sum(hit_units) / sum(hit_blocks)) if sum(hit_blocks) else plan.units
+        )
     restored = cost.restored_tiers(
-        [(t.name, bw) for t, bw in zip(tiers, bandwidths, strict=True)], block_bytes, bt
+        [(t.name, bw) for t, bw in zip(tiers, bandwidths, strict=True)], decide_bytes, bt
     )
     results = tuple(
         TierResult(
@@ -362,9 +614,18 @@ def replay(
             stored_blocks=stored[t],
             staged_blocks=staged[t],
             evicted_blocks=index.stats().evictions,
-            block_bytes=block_bytes,
+            block_bytes=slot_bytes,
             skipped_blocks=hit_blocks[t] if t >= restored else 0,
             skipped_tokens=hit_tokens[t] if t >= restored else 0,
+            **(
+                {}
+                if plan is None
+                else {
+                    "unit_bytes": slot_bytes,
+                    "hit_units": hit_units[t],
+                    "skipped_units": hit_units[t] if t >= restored else 0,
+                }
+            ),
         )
         for t, (cfg, pol, bw, index) in enumerate(zip(tiers, policies, bandwidths, indexes, strict=True))
     )
@@ -385,6 +646,8 @@ def replay(
         tiers=results,
         elapsed_s=elapsed,
         load_policy=cost.load_policy,
+        groups=plan,
+        retention_saved_bytes=skipped_units * slot_bytes if plan is not None else 0,
     )
 
 
@@ -402,11 +665,12 @@ def sweep(
     policies: Sequence[str],
     sweep_tier: str,
     capacities: Sequence[int | None],
-    kv_bytes_per_token: int,
+    kv_bytes_per_token: int | None = None,
     cost: CostModel,
     inflight: int = 0,
     progress: ProgressFn | None = None,
     on_result: Callable[[ReplayResult], None] | None = None,
+    groups: KVGroups | None = None,
 ) -> list[ReplayResult]:
     """One :func:`replay` per (policy, capacity of ``sweep_tier``), policies outermost."""
     names = [t.name for t in tiers]
@@ -428,8 +692,68 @@ def sweep(
                 cost=cost,
                 inflight=inflight,
                 progress=progress,
+                groups=groups,
             )
             results.append(result)
             if on_result is not None:
                 on_result(result)
     return results
+
+
+def capacity_for_hit_ratio(
+    trace: Trace,
+    tiers: Sequence[TierConfig],
+    target: float,
+    *,
+    tier: str | None = None,
+    policy: str = "lru",
+    kv_bytes_per_token: int | None = None,
+    groups: KVGroups | None = None,
+    cost: CostModel,
+    inflight: int = 0,
+) -> tuple[int | None, ReplayResult]:
+    """The smallest capacity of ``tier`` (default: the first; the others as given) at which the replay's
+    token hit ratio reaches ``target`` (0 < target <= 1), to one slot (a block, or a unit with ``groups``),
+    and the replay at that capacity. Bisection over the slot count: it assumes the hit ratio does not fall as
+    the capacity grows (so for LRU on one tier; with other policies the answer is one capacity that reaches
+    the target). ``(None, the unlimited replay)`` when even an unlimited tier falls short."""
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
+        raise InvalidArgumentError(f"target hit ratio must be in (0, 1], got {target!r}")
+    names = [t.name for t in tiers]
+    name = names[0] if tier is None and names else tier
+    if name not in names:
+        raise InvalidArgumentError(f"tier must be one of the tiers {names}, got {name!r}")
+    if groups is not None:
+        plan = groups.plan(trace.block_tokens)
+        slot, lo, hi = plan.unit_bytes, plan.units, max(trace.unique_blocks * plan.units, plan.units)
+    else:
+        if kv_bytes_per_token is None:
+            raise InvalidArgumentError("kv_bytes_per_token or groups must be given")
+        slot, lo, hi = trace.block_tokens * kv_bytes_per_token, 1, max(trace.unique_blocks, 1)
+
+    def run(slots: int | None) -> ReplayResult:
+        cap = None if slots is None else slots * slot
+        return replay(
+            trace,
+            [TierConfig(t.name, cap, t.bandwidth, t.policy) if t.name == name else t for t in tiers],
+            policy=policy,
+            kv_bytes_per_token=kv_bytes_per_token,
+            groups=groups,
+            cost=cost,
+            inflight=inflight,
+        )
+
+    best = run(None)
+    if best.token_hit_ratio < target:
+        return None, best
+    found = hi  # the footprint: as good as unlimited
+    while lo < hi:
+        mid = (lo + hi) // 2
+        r = run(mid)
+        if r.token_hit_ratio >= target:
+            found, best, hi = mid, r, mid
+        else:
+            lo = mid + 1
+    if found == hi and best.tiers[names.index(name)].capacity_bytes is None:
+        best = run(found)
+    return found * slot, best

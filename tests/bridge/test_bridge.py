@@ -244,3 +244,37 @@ async def test_open_forwards_the_per_request_caps() -> None:
     inner = await _in_thread(engine, eng)
     assert (inner.max_store_tokens, inner.max_load_tokens, inner.store_decode) == (8, 4, False)
     assert inner.priority == 7
+
+
+@pytest.mark.asyncio
+async def test_a_grouped_layout_through_the_bridge() -> None:
+    """Per-group block ids from an engine thread (the bridge copies the nested lists the engine reuses),
+    drop_blocks, and an exact restore."""
+    from tests.core.test_groups import BS, GroupSim, _hashes
+
+    sim = GroupSim([("full", None), ("sliding_window", 40)], checkpoint_blocks=4)
+    prompt = list(range(4 * BS + 1))
+    keys = _hashes(sim.layout, prompt)
+
+    def engine(bridge: ThreadBridge) -> int:
+        req = bridge.open("a", prompt).result(WAIT)
+        assert req.lookup().result(WAIT) == 0
+        blocks = sim.alloc(5)
+        sim.compute(keys, blocks)
+        ids = sim.rows(blocks)
+        req.step(len(prompt), [7], ids)
+        ids[0].clear()  # the engine reuses its lists at once: the bridge copied them
+        req.drop_blocks(([], [blocks[4]])).result(WAIT)
+        req.finish().result(WAIT)
+        req2 = bridge.open("b", prompt).result(WAIT)
+        hit = req2.lookup().result(WAIT)
+        dst = sim.alloc(hit // BS)
+        sim.poison(dst)
+        assert req2.load(sim.rows(dst)).result(WAIT) == hit
+        assert all(sim.holds(0, dst[i], keys[i]) for i in range(hit // BS))
+        req2.abort().result(WAIT)
+        return hit
+
+    lay = sim.layout
+    async with aiokv.Offloader(lay, tiers=[aiokv.CPUTier(capacity_bytes=64 * lay.slot_bytes)]) as off:
+        assert await anyio.to_thread.run_sync(engine, ThreadBridge(off)) == 4 * BS
