@@ -248,6 +248,8 @@ class Request:
         # A grouped layout (KVLayout.from_groups): block ids are rows (one id per group), stores and lookups
         # go through the offloader's unit paths, and the step fast path (one id per block) never applies.
         self._grouped = getattr(off, "_grouped", None) is not None
+        if self._grouped:
+            self._nblk = -1  # no id passes the fast paths' range check: per-group ids go to the checked path
         self._prompt_blocks = len(token_ids) // off.block_size
         self.priority = priority  # eviction priority of the blocks it stores or stages (CPU tier)
         self._retain_s = retain_s

@@ -213,6 +213,11 @@ async def test_grouped_misuse_is_refused() -> None:
         with pytest.raises(aiokv.InvalidArgumentError, match="must hold a block at every position"):
             req.step(16, [], ([NO_BLOCK], [2]))
         req.step(16, [], ([0], [1]))
+        # Running now (the fast paths apply): a flat list (one group's ids) is never taken for per-group ids.
+        with pytest.raises(aiokv.InvalidTypeError, match=r"new_block_ids\[0\] must be a sequence of ints"):
+            req.step(32, [], [5, 6])
+        with pytest.raises(aiokv.InvalidTypeError, match=r"new_block_ids\[0\] must be a sequence of ints"):
+            req.step(32, [], (5, 6))
         with pytest.raises(aiokv.InvalidArgumentError, match="must not repeat a block"):
             req.step(32, [], ([0], [3]))
         await req.abort()
