@@ -397,10 +397,12 @@ async def test_preemption_keeps_the_boundary_it_stopped_at() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("disk", [False, True], ids=["cpu", "cpu+disk"])
 @pytest.mark.parametrize("seed", range(10))
-async def test_random_schedules_never_restore_wrong_kv(seed: int) -> None:
-    """Many requests sharing prefixes in a CPU tier far too small (units evicted independently), with
-    preemptions and aborts: every hit is loadable and every restored block is exactly the right one."""
+async def test_random_schedules_never_restore_wrong_kv(seed: int, disk: bool, tmp_path: object) -> None:
+    """Many requests sharing prefixes in a CPU tier far too small (units evicted independently; with a disk
+    tier below it, staged back), with preemptions and aborts: every hit is loadable and every restored block
+    is exactly the right one."""
     rng = random.Random(seed)
     kinds: list[tuple[str, int | None]] = rng.choice(
         [
@@ -414,7 +416,10 @@ async def test_random_schedules_never_restore_wrong_kv(seed: int) -> None:
     sim = GroupSim(kinds, num_blocks=160, checkpoint_blocks=rng.choice([2, 3, 5]))
     lay = sim.layout
     stems = [[rng.randrange(50) for _ in range(rng.randrange(1, 6) * BS)] for _ in range(3)]
-    async with Offloader(lay, tiers=[CPUTier(capacity_bytes=rng.randrange(12, 40) * lay.slot_bytes)]) as off:
+    tiers: list[object] = [CPUTier(capacity_bytes=rng.randrange(12, 40) * lay.slot_bytes)]
+    if disk:
+        tiers.append(aiokv.DiskTier(str(tmp_path), capacity_bytes=rng.randrange(40, 400) * lay.slot_bytes))
+    async with Offloader(lay, tiers=tiers) as off:  # type: ignore[arg-type]
         for r in range(30):
             tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 4 * BS))]
             req = off.open(f"r{r}", tokens)
@@ -455,6 +460,8 @@ async def test_random_schedules_never_restore_wrong_kv(seed: int) -> None:
                 await req.finish()
             sim.release(blocks)
         assert off.stats().hits > 0
+        if disk:  # units went down to the disk (and, for most seeds, came back: staged_blocks)
+            assert off.stats().write_through_blocks > 0
 
 
 @pytest.mark.asyncio
