@@ -14,6 +14,10 @@ block table and one of four kinds:
   block ``i`` holds the snapshot *after* tokens ``[0, (i + 1) * bs)``; resuming after ``N`` blocks needs the
   snapshot at ``N``.
 
+**Block sizes.** The layout's ``block_size`` is the key block; a group may have smaller blocks
+(``KVGroup(block_size=...)`` dividing it): a key block then covers ``ratio`` of its engine blocks, and a row of
+the request's table holds every group's ids for one key block.
+
 **One key per token block.** Hashes are chained over the tokens as for a one-group layout; the layout root
 fingerprints every group. What a block stores is split in *parts*: the *base* part (every full and latent
 group; stored for every block), one *window* part per sliding-window group and one *state* part per state
@@ -89,7 +93,7 @@ class KVGroup:
     ``tensors`` are validated like :class:`KVLayout`'s (same device, same number of blocks along ``block_dim``,
     contiguous after it, no overlap, no aliasing); ``token_dim`` likewise (``None`` for a state group, which
     has no token dimension). ``window`` is required for, and only allowed on, a sliding-window group.
-    ``block_size`` defaults to the layout's. ``replicated``: the bytes are identical on every tensor-parallel
+    ``block_size`` (tokens per engine block of this group) defaults to the layout's and must divide it. ``replicated``: the bytes are identical on every tensor-parallel
     rank (default: true for latent groups, false otherwise). ``name`` appears in messages and stats.
     """
 
@@ -117,12 +121,15 @@ class _Group:
     num_blocks: int
     block_bytes: int  # bytes of one of its blocks (all its tensors)
     block_dim: int
+    block_size: int  # tokens per engine block of this group (divides the layout's)
+    ratio: int  # engine blocks of this group per key block (layout block_size // block_size)
 
 
 @dataclass(frozen=True, slots=True)
 class _Part:
     cls: int  # _BASE, _WINDOW or _STATE
     groups: tuple[int, ...]  # group indices, in slot order
+    columns: tuple[int, ...]  # the row columns (engine block ids) its groups read
     replicated: bool
     nbytes: int  # bytes of the part for one key block
     units: int  # units it is cut into
@@ -163,12 +170,13 @@ def _check_group(i: int, g: object, block_size: int) -> _Group:
             f"groups[{i}].window must be None for a {kind.value} group (only sliding_window groups have one), "
             f"got {window!r}"
         )
+    gbs = block_size
     if g.block_size is not None:
         gbs = _positive(f"groups[{i}].block_size", g.block_size)
-        if gbs != block_size:
+        if block_size % gbs:
             raise InvalidArgumentError(
-                f"groups[{i}].block_size must equal the layout's block_size={block_size} (groups with "
-                f"different block sizes are not supported yet), got {gbs}"
+                f"groups[{i}].block_size must divide the layout's block_size={block_size} (a key block covers "
+                f"whole engine blocks of every group), got {gbs}"
             )
     replicated = g.replicated
     if replicated is None:
@@ -183,12 +191,12 @@ def _check_group(i: int, g: object, block_size: int) -> _Group:
             f"groups[{i}].token_dim must be None for a state group (no token dimension)"
         )
     try:
-        tdim = _check_params(block_size, g.block_dim, token_dim, None)
+        tdim = _check_params(gbs, g.block_dim, token_dim, None)
         flat = _flatten_tensors(g.tensors)
         _check_devices(flat)
         num_blocks, specs = _tensor_specs(flat, g.block_dim)
         if tdim is not None:
-            _check_tokens(flat, block_size, tdim)
+            _check_tokens(flat, gbs, tdim)
     except InvalidArgumentError as exc:  # InvalidLayoutError included
         raise type(exc)(f"groups[{i}] ({name}): {exc}") from None
     except InvalidTypeError as exc:
@@ -204,6 +212,8 @@ def _check_group(i: int, g: object, block_size: int) -> _Group:
         num_blocks=num_blocks,
         block_bytes=sum(s.outer * s.inner_bytes for s in specs),
         block_dim=g.block_dim,
+        block_size=gbs,
+        ratio=block_size // gbs,
     )
 
 
@@ -342,14 +352,24 @@ class GroupedLayout(KVLayout):
             raw.append((_BASE, base_repl, True))
         raw += [(_WINDOW, (g.index,), g.replicated) for g in gs if g.kind is GroupKind.SLIDING_WINDOW]
         raw += [(_STATE, (g.index,), g.replicated) for g in gs if g.kind is GroupKind.STATE]
-        sizes = [sum(gs[i].block_bytes for i in members) for _c, members, _r in raw]
+        sizes = [sum(gs[i].block_bytes * gs[i].ratio for i in members) for _c, members, _r in raw]
+        # A key block's row: each group's engine block ids for it (``ratio`` of them), group after group.
+        offsets: list[int] = []
+        for g in gs:
+            offsets.append(sum(x.ratio for x in gs[: g.index]))
+        self.columns: tuple[tuple[int, ...], ...] = tuple(
+            tuple(range(offsets[g.index], offsets[g.index] + g.ratio)) for g in gs
+        )
+        self.row_width = sum(g.ratio for g in gs)
+        self.column_group: tuple[int, ...] = tuple(g.index for g in gs for _ in range(g.ratio))
         # One unit: the first base part exactly (one probe per block), else the largest part.
         unit = sizes[0] if raw[0][0] == _BASE else max(sizes)
         parts: list[_Part] = []
         unit_parts: list[tuple[int, int]] = []
         for p, ((cls, members, repl), nbytes) in enumerate(zip(raw, sizes, strict=True)):
             units = -(-nbytes // unit)
-            parts.append(_Part(cls, members, repl, nbytes, units, len(unit_parts)))
+            columns = tuple(c for gi in members for c in self.columns[gi])
+            parts.append(_Part(cls, members, columns, repl, nbytes, units, len(unit_parts)))
             unit_parts.extend((p, c) for c in range(units))
         self.parts = tuple(parts)
         self.unit_parts: tuple[tuple[int, int], ...] = tuple(unit_parts)
@@ -443,12 +463,67 @@ class GroupedLayout(KVLayout):
 
     # ------------------------------------------------------------- validation
     def check_block_ids(self, block_ids: Any, name: str = "block_ids") -> list[Any]:
-        """Validate per-group engine block ids: a sequence with one sequence of ids per group, all of the same
-        length, each id in ``[0, num_blocks)`` of its group or :data:`NO_BLOCK`, no id twice in a group.
-        Returns one row (a tuple with an id per group) per key block."""
+        """Validate per-group engine block ids covering whole key blocks: a sequence with one sequence of ids
+        per group, group ``g`` giving ``ratio`` ids per key block (1 when it shares the layout's block size),
+        each id in ``[0, num_blocks)`` of its group or :data:`NO_BLOCK`, no id twice (within a group, or
+        within groups sharing tensors). Returns one row per key block: every group's ids for it, in order."""
         return self.check_rows(block_ids, name, None)
 
     def check_rows(self, block_ids: Any, name: str, held: set[tuple[int, int]] | None) -> list[Any]:
+        cols = self.check_columns(block_ids, name, held)
+        gs = self.groups
+        n = len(cols[0]) // gs[0].ratio
+        for g, col in zip(gs, cols, strict=True):
+            if len(col) != n * g.ratio:
+                raise InvalidArgumentError(
+                    f"{name} must cover the same key blocks in every group ({gs[0].name}: {len(cols[0])} blocks "
+                    f"of {gs[0].block_size} tokens), got {len(col)} blocks of {g.block_size} tokens for {g.name}"
+                    + ("" if g.ratio == 1 else f" (a multiple of {g.ratio})")
+                )
+        return self._rows(cols, n)
+
+    def take_rows(
+        self, block_ids: Any, name: str, held: set[tuple[int, int]], pending: list[list[int]]
+    ) -> list[Any]:
+        """:meth:`check_rows` for an engine handing blocks out in each group's own granularity: the new ids
+        are appended to ``pending`` (one list per group, the ids not yet forming a whole key block, which the
+        caller keeps); the key blocks every group now covers are returned as rows and leave ``pending``."""
+        cols = self.check_columns(block_ids, name, held, pending)
+        for p, col in zip(pending, cols, strict=True):
+            p.extend(col)
+        gs = self.groups
+        n = min(len(p) // g.ratio for g, p in zip(gs, pending, strict=True))
+        if n == 0:
+            return []
+        rows = self._rows(pending, n)
+        for g, p in zip(gs, pending, strict=True):
+            del p[: n * g.ratio]
+        return rows
+
+    def pending_tokens(self, rows: int, pending: Sequence[Sequence[int]]) -> int:
+        """Tokens the engine blocks cover: ``rows`` whole key blocks plus, per group, its pending blocks; the
+        least over the groups."""
+        return rows * self.block_size + min(
+            len(p) * g.block_size for g, p in zip(self.groups, pending, strict=True)
+        )
+
+    def _rows(self, cols: Sequence[Sequence[int]], n: int) -> list[Any]:
+        gs = self.groups
+        if all(g.ratio == 1 for g in gs):
+            return list(zip(*(c[:n] for c in cols), strict=True))
+        return [
+            tuple(b for g, c in zip(gs, cols, strict=True) for b in c[i * g.ratio : (i + 1) * g.ratio])
+            for i in range(n)
+        ]
+
+    def check_columns(
+        self,
+        block_ids: Any,
+        name: str,
+        held: set[tuple[int, int]] | None,
+        pending: Sequence[Sequence[int]] | None = None,
+    ) -> list[list[int]]:
+        """Validate per-group id sequences (see :meth:`check_block_ids`); no row assembly."""
         gs = self.groups
         if isinstance(block_ids, (str, bytes, torch.Tensor, np.ndarray)) or not isinstance(
             block_ids, Sequence
@@ -465,6 +540,9 @@ class GroupedLayout(KVLayout):
         cols: list[list[int]] = []
         mem = self.memory_class
         seen_in: dict[int, set[int]] = {}  # per memory class: groups sharing tensors share block ids
+        if pending is not None:
+            for gi, ids in enumerate(pending):
+                seen_in.setdefault(mem[gi], set()).update(b for b in ids if b >= 0)
         for gi, (g, raw_ids) in enumerate(zip(gs, block_ids, strict=True)):
             if isinstance(raw_ids, (torch.Tensor, np.ndarray)):
                 raw_ids = raw_ids.tolist()
@@ -474,6 +552,7 @@ class GroupedLayout(KVLayout):
                 )
             col: list[int] = []
             seen = seen_in.setdefault(mem[gi], set())
+            base = g.kind in (GroupKind.FULL, GroupKind.LATENT)
             for raw in raw_ids:
                 try:
                     if isinstance(raw, bool):
@@ -492,28 +571,20 @@ class GroupedLayout(KVLayout):
                             f"{name}[{gi}] ({g.name}) must not repeat a block the request holds{shared}, got {b}"
                         )
                     seen.add(b)
+                elif base:
+                    raise InvalidArgumentError(
+                        f"{name}[{gi}] ({g.name}) must hold a block at every position ({g.kind.value} groups keep "
+                        f"every block), got {NO_BLOCK} at {len(col)}"
+                    )
                 col.append(b)
             cols.append(col)
-        n = len(cols[0])
-        for gi, col in enumerate(cols):
-            if len(col) != n:
-                raise InvalidArgumentError(
-                    f"{name} must give every group the same number of blocks (groups share a block size): "
-                    f"{gs[0].name} has {n}, {gs[gi].name} has {len(col)}"
-                )
-        for gi in self._base_groups():
-            for i, b in enumerate(cols[gi]):
-                if b == NO_BLOCK:
-                    raise InvalidArgumentError(
-                        f"{name}[{gi}] ({gs[gi].name}) must hold a block at every position ({gs[gi].kind.value} "
-                        f"groups keep every block), got {NO_BLOCK} at {i}"
-                    )
-        return list(zip(*cols, strict=True))
+        return cols
 
     def held(self, rows: Iterable[Any]) -> set[tuple[int, int]]:
         """The engine memory ``rows`` hold: ``(memory class, block id)`` pairs (``NO_BLOCK`` holds none)."""
         mem = self.memory_class
-        return {(mem[g], b) for row in rows for g, b in enumerate(row) if b >= 0}
+        owner = self.column_group
+        return {(mem[owner[c]], b) for row in rows for c, b in enumerate(row) if b >= 0}
 
     def _base_groups(self) -> Iterable[int]:
         for p in self._bases:
@@ -521,8 +592,9 @@ class GroupedLayout(KVLayout):
 
     # ------------------------------------------------------------ copy plans
     def _unit_plan(self, unit: int) -> tuple[Int64Array, ...]:
-        """Per segment piece of unit ``unit``: its group (column), address of block 0's piece, length, offset
-        within the unit's slot, and the group tensor's block stride."""
+        """Per segment piece of unit ``unit``: its row column (which engine block id it reads), address of
+        block 0's piece, length, offset within the unit's slot, and the group tensor's block stride. A part
+        packs its groups in order, each group's engine blocks of the key block in order, tensor by tensor."""
         p, c = self.unit_parts[unit]
         part = self.parts[p]
         lo, hi = c * self.slot_bytes, (c + 1) * self.slot_bytes
@@ -534,18 +606,19 @@ class GroupedLayout(KVLayout):
         pos = 0  # offset within the part
         for gi in part.groups:
             g = self.groups[gi]
-            for t, spec in zip(g.tensors, g.specs, strict=True):
-                base = t.data_ptr()
-                for outer_idx in np.ndindex(*spec.outer_shape) if spec.outer_shape else [()]:
-                    seg = base + sum(i * s for i, s in zip(outer_idx, spec.outer_strides, strict=True))
-                    a, b = max(pos, lo), min(pos + spec.inner_bytes, hi)
-                    if a < b:
-                        cols.append(gi)
-                        bases.append(seg + (a - pos))
-                        lens.append(b - a)
-                        offs.append(a - lo)
-                        strides.append(spec.block_stride)
-                    pos += spec.inner_bytes
+            for column in self.columns[gi]:
+                for t, spec in zip(g.tensors, g.specs, strict=True):
+                    base = t.data_ptr()
+                    for outer_idx in np.ndindex(*spec.outer_shape) if spec.outer_shape else [()]:
+                        seg = base + sum(i * s for i, s in zip(outer_idx, spec.outer_strides, strict=True))
+                        a, b = max(pos, lo), min(pos + spec.inner_bytes, hi)
+                        if a < b:
+                            cols.append(column)
+                            bases.append(seg + (a - pos))
+                            lens.append(b - a)
+                            offs.append(a - lo)
+                            strides.append(spec.block_stride)
+                        pos += spec.inner_bytes
         return tuple(np.asarray(x, dtype=np.int64) for x in (cols, bases, lens, offs, strides))
 
     def copy_plan(

@@ -832,7 +832,7 @@ class Offloader:
             return 1
 
         def held(part: int, row: Any) -> bool:
-            return all(row[g] >= 0 for g in parts[part].groups)
+            return all(row[c] >= 0 for c in parts[part].columns)
 
         if final:
             for p, w in lay.windows:

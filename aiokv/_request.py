@@ -198,6 +198,7 @@ class Request:
         "_nblk",
         "_off",
         "_partial",
+        "_pending",
         "_pinned",
         "_pinned_plan",
         "_pinned_slots",
@@ -280,6 +281,9 @@ class Request:
         self._pinned: list[bytes] = []  # CPU entries pinned by the last lookup
         self._pinned_slots: list[int] = []
         self._pinned_plan: list[tuple[int, int]] = []  # grouped: (block, unit) of each pinned entry
+        # Grouped layouts whose groups have smaller blocks than the key block: per group, the engine blocks
+        # given that do not complete a key block yet (they join the table once every group covers it).
+        self._pending: list[list[int]] = [[] for _ in getattr(off.layout, "groups", ())]
         self._hit_blocks: int | None = None  # result of the last completed lookup, until load/end
         self._partial = 0  # tokens of a partially filled last block matched by the last lookup
         self._abort_requested = False
@@ -379,6 +383,7 @@ class Request:
         # against them; the copy itself is submitted by the task in order.
         self._blocks = list(ids)
         self._block_set = self._off.layout.held(ids) if self._grouped else set(ids)  # type: ignore[attr-defined]
+        self._pending = [[] for _ in self._pending]
         bs = self._off.block_size
         if partial:  # the last block is only partially filled: it is not a stored full block yet
             self.num_computed_tokens = (len(ids) - 1) * bs + partial
@@ -481,12 +486,13 @@ class Request:
                 f"{len(block_ids) if isinstance(block_ids, Sequence) else type(block_ids).__name__}"
             )
         mem = lay.memory_class  # type: ignore[attr-defined]
-        rows: list[Any] = self._blocks  # grouped: one tuple of ids (one per group) per block
-        where: dict[tuple[int, int], int] = {}
+        rows: list[Any] = self._blocks  # grouped: one tuple of ids (each group's for the key block) per block
+        owner = lay.column_group  # type: ignore[attr-defined]
+        where: dict[tuple[int, int], tuple[int, int]] = {}
         for i, row in enumerate(rows):
-            for g, b in enumerate(row):
+            for c, b in enumerate(row):
                 if b >= 0:
-                    where[(g, b)] = i
+                    where[(owner[c], b)] = (i, c)
         drops: list[tuple[int, int]] = []
         for g, ids in enumerate(block_ids):
             for raw in ids:
@@ -502,9 +508,9 @@ class Request:
                     )
                 drops.append((g, b))
         for g, b in drops:
-            i = where[(g, b)]
+            i, c = where[(g, b)]
             cells = list(rows[i])
-            cells[g] = -1
+            cells[c] = -1
             rows[i] = tuple(cells)
             self._block_set.discard((mem[g], b))
         fut: asyncio.Future[Any] = off.loop.create_future()
@@ -558,9 +564,11 @@ class Request:
             n = int(n)
         blocks = self._blocks
         ids: list[int] = _EMPTY
+        pending = self._pending
         if self._grouped:
             if len(new_block_ids):
-                ids = off.layout.check_rows(new_block_ids, "new_block_ids", self._block_set)  # type: ignore[attr-defined]
+                pending = [list(p) for p in pending]  # applied below, once the whole step is valid
+                ids = off.layout.take_rows(new_block_ids, "new_block_ids", self._block_set, pending)  # type: ignore[attr-defined]
         elif len(new_block_ids):
             ids = off.layout.check_block_ids(new_block_ids, "new_block_ids")
             held = self._block_set
@@ -579,7 +587,13 @@ class Request:
             raise InvalidArgumentError(f"num_computed_tokens must be <= known tokens ({known}), got {n}")
         bs = off.block_size
         nblocks = len(blocks) + len(ids)
-        if n > nblocks * bs:
+        if self._grouped and any(pending):
+            room = off.layout.pending_tokens(nblocks, pending)  # type: ignore[attr-defined]
+            if n > room:
+                raise InvalidArgumentError(
+                    f"num_computed_tokens must fit in the request's blocks ({room} tokens in every group), got {n}"
+                )
+        elif n > nblocks * bs:
             raise InvalidArgumentError(
                 f"num_computed_tokens must fit in the request's {nblocks} blocks of {bs} tokens, got {n}"
             )
@@ -589,6 +603,7 @@ class Request:
         stored_upto = self._stored_upto
         # The KV of this step may still be queued on the compute stream: the store waits for this point.
         mark = off._mark() if full > stored_upto and off._device is not None else None
+        self._pending = pending
         if ids:
             blocks.extend(ids)
             self._block_set.update(off.layout.held(ids) if self._grouped else ids)  # type: ignore[attr-defined]
@@ -639,6 +654,7 @@ class Request:
         tail = self._partial_tail()
         self._blocks = []
         self._block_set = set()
+        self._pending = [[] for _ in self._pending]
         self.num_computed_tokens = 0
         self._stored_upto = 0
         self._hit_blocks = None
@@ -870,6 +886,7 @@ class Request:
             return
         self._blocks = []
         self._block_set = set()
+        self._pending = [[] for _ in self._pending]
         self.num_computed_tokens = 0
         self._stored_upto = 0
         if self.state is RequestState.LOADING:
@@ -1090,7 +1107,7 @@ class Request:
                 drop.append(key)
                 continue
             row = rows[b]
-            if any(row[g] < 0 for g in parts[unit_parts[u][0]].groups):
+            if any(row[c] < 0 for c in parts[unit_parts[u][0]].columns):
                 drop.append(key)  # the engine holds no block there (and so needs none)
                 continue
             keys.append(key)

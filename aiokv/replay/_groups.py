@@ -13,8 +13,8 @@ the base part (the full groups, then the latent ones as a second base part when 
 groups are replicated across tensor-parallel ranks, full ones are not), one part per sliding-window group and
 one per state group; a unit is the first base part's bytes (the largest part's without a base part) and every
 part is padded to whole units. ``tests/replay/test_replay_groups.py`` checks the plan against a real
-``GroupedLayout``. Which parts are stored and which hit a lookup finds are :class:`aiokv._groups.Retention`
-and :func:`aiokv._groups.longest_hit` themselves (see ``_sim.py``).
+``GroupedLayout``. Which parts are stored and which hit a lookup finds are :class:`aiokv._grouprule.Retention`
+and :func:`aiokv._grouprule.longest_hit` themselves (see ``_sim.py``).
 
 Standard library only (the rules come from the torch-free :mod:`aiokv._grouprule`).
 """

@@ -391,7 +391,7 @@ def _run_grouped(
     for p, part in enumerate(parts):
         if part.cls == "window":
             w = window_blocks(plan.groups[part.groups[0]].window or 1, bt)
-            assert w == part.window_blocks, "the plan's window blocks must be aiokv._groups.window_blocks"
+            assert w == part.window_blocks, "the plan's window blocks must be aiokv._grouprule.window_blocks"
             windows.append((w, list(plan.part_units(p))))
     states = [list(plan.part_units(p)) for p, part in enumerate(parts) if part.cls == "state"]
     reach = max((w for w, _u in windows), default=0)

@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -117,11 +118,16 @@ class AiokvPromMetrics(KVConnectorPromMetrics):
                 counter.inc(value)
 
 
-class AiokvConnector(KVConnectorBase_V1):
+class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads vLLM's full KV blocks to aiokv's tiers and restores cached prefixes from them.
 
     ``kv_connector_extra_config`` takes the keys of :class:`~aiokv.vllm.ConnectorConfig` (``tiers``,
-    ``load_policy``, ...); an unknown key or a bad value fails engine start-up with an error naming it."""
+    ``load_policy``, ...); an unknown key or a bad value fails engine start-up with an error naming it.
+
+    It supports vLLM's hybrid KV-cache manager (``SupportsHMA``): a model with several KV-cache groups (Gemma 3's
+    sliding-window and full-attention layers) keeps them, each stored as an aiokv group
+    (:meth:`aiokv.KVLayout.from_groups`); a group kind aiokv does not store (Mamba state, ...) fails start-up
+    with an error naming it. One group of full attention (Llama, MLA models) is stored as before."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -131,17 +137,10 @@ class AiokvConnector(KVConnectorBase_V1):
         self.config = ConnectorConfig.from_extra_config(extra)
         # aiokv's lines in vLLM's output, in its format (unless the application configured logging itself).
         adopt_vllm_handlers(self.config.log_level)
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-        if len(groups) > 1:
-            from .._errors import InvalidArgumentError
-
-            raise InvalidArgumentError(
-                f"AiokvConnector supports one KV cache group (full attention), this model has {len(groups)}"
-            )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(vllm_config, self.config)
+            self.scheduler = SchedulerSide(vllm_config, self.config, kv_cache_config)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # A cache's failed restore is a miss: vLLM recomputes those blocks. vLLM's default ("fail")
                 # would end the request with an error instead; the scheduler reads this after creating us.
@@ -186,6 +185,11 @@ class AiokvConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished_all_groups(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()

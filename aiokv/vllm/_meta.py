@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 __all__ = [
     "AiokvConnectorMetadata",
     "AiokvWorkerMetadata",
+    "DropJob",
     "EndJob",
     "LoadJob",
     "LookupJob",
@@ -32,13 +33,18 @@ class LookupJob:
     extra_keys: tuple[object, ...]
 
 
+# One list of block ids (one KV-cache group), or one list per group (vLLM's hybrid KV-cache manager; aiokv's
+# NO_BLOCK where vLLM holds its null block).
+BlockIds = list[int] | tuple[list[int], ...]
+
+
 @dataclass(slots=True)
 class LoadJob:
     """Restore the looked-up prefix into ``block_ids`` (the request's first blocks); the first
     ``present_blocks`` of them hold vLLM's own prefix-cache hit and are not written."""
 
     req_id: str
-    block_ids: list[int]
+    block_ids: BlockIds
     present_blocks: int
 
 
@@ -49,7 +55,7 @@ class StepJob:
 
     req_id: str
     new_tokens: list[int]
-    new_blocks: list[int]
+    new_blocks: BlockIds
     num_computed_tokens: int
     full_table: bool = False  # new_blocks is the whole table of a new admission (not an append)
 
@@ -57,13 +63,25 @@ class StepJob:
 @dataclass(slots=True)
 class EndJob:
     """A request left the engine (``kind``: ``"finish"``, ``"abort"``) or was preempted (``"preempt"``).
-    ``report``: vLLM keeps its blocks until the worker names it in ``finished_sending``."""
+    ``report``: vLLM keeps its blocks until the worker names it in ``finished_sending``. ``drops`` (several
+    groups): sliding-window blocks vLLM freed already (at the end, or reallocated this step), per group."""
 
     req_id: str
     kind: str
     new_tokens: list[int]
     num_computed_tokens: int
     report: bool
+    drops: tuple[list[int], ...] | None = None
+
+
+@dataclass(slots=True)
+class DropJob:
+    """Several groups: vLLM freed these sliding-window blocks of a running request (per group) and reallocated
+    them this step; the worker tells aiokv and waits for every copy that may still read them before the
+    forward."""
+
+    req_id: str
+    block_ids: tuple[list[int], ...]
 
 
 @dataclass
@@ -72,6 +90,7 @@ class AiokvConnectorMetadata(KVConnectorMetadata):
 
     lookups: list[LookupJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
+    drops: list[DropJob] = field(default_factory=list)
     steps: list[StepJob] = field(default_factory=list)
     preempted: list[EndJob] = field(default_factory=list)
     ended: list[EndJob] = field(default_factory=list)

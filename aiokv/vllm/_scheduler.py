@@ -14,6 +14,14 @@ each engine step produces one :class:`AiokvConnectorMetadata`:
   preempted request (the workers finish those before the step's forward may write the freed blocks).
 - ``request_finished`` queues the end of a request and, when stores may still read its blocks, tells vLLM to
   keep them until the workers name the request in ``finished_sending``.
+
+Several KV-cache groups (vLLM's hybrid KV-cache manager, e.g. Gemma 3's sliding-window and full-attention layers):
+every job carries block ids per group (:data:`aiokv.NO_BLOCK` for vLLM's null block), and a
+:class:`~aiokv.vllm._block_table.GroupBlockTables` follows each request's tables. vLLM frees a sliding-window
+group's blocks silently as they leave the window and may hand them out again in the same step: each step, the
+blocks it allocates (scheduler output and loads) that a sliding position of some request still names become a
+:class:`DropJob` (or the ``drops`` of a preemption), and at the end of a request the blocks vLLM freed are the
+``drops`` of its :class:`EndJob`; the workers wait for every copy that may read them before the step's forward.
 """
 
 from __future__ import annotations
@@ -22,12 +30,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._meta import AiokvConnectorMetadata, AiokvWorkerMetadata, EndJob, LoadJob, LookupJob, StepJob
+from .._groups import NO_BLOCK
+from ._block_table import GroupBlockTables, block_ids_of, from_vllm_ids, vllm_groups
+from ._meta import AiokvConnectorMetadata, AiokvWorkerMetadata, DropJob, EndJob, LoadJob, LookupJob, StepJob
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -55,10 +66,25 @@ class _Tracked:
 class SchedulerSide:
     """Scheduler-role half of :class:`~aiokv.vllm.AiokvConnector` (one per engine)."""
 
-    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, config: ConnectorConfig, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         self.config = config
         self.block_size = int(vllm_config.cache_config.block_size)
         self.world_size = int(vllm_config.parallel_config.world_size)
+        # Several KV-cache groups: per-group tables (None: one group, block ids as one list).
+        groups = vllm_groups(kv_cache_config) if kv_cache_config is not None else None
+        self.tables: GroupBlockTables | None = None
+        self.num_groups = 1
+        if groups is not None:
+            self.block_size = groups[0].block_size
+            self.num_groups = len(groups)
+            sliding = [g.index for g in groups if g.kind == "sliding_window"]
+            self.tables = GroupBlockTables(len(groups), sliding, self.block_size)
+        self._allocated: set[int] = (
+            set()
+        )  # several groups: blocks allocated for loads since the last metadata
+        self.blocks_dropped = 0  # several groups: sliding-window blocks reported freed to the workers
         self._reqs: dict[str, _Tracked] = {}
         self._lookups: dict[str, LookupJob] = {}
         self._loads: list[LoadJob] = []
@@ -103,10 +129,16 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         t = self._reqs[request.request_id]
-        ids = blocks.get_block_ids()[0]
         total = (t.local + num_external_tokens) // self.block_size
         present = t.local // self.block_size
-        self._loads.append(LoadJob(request.request_id, list(ids[:total]), present))
+        if self.tables is not None:
+            groups = block_ids_of(blocks)
+            # Written by the load (and this request's forwards): a sliding position still naming one is gone.
+            self._allocated.update(b for g in groups for b in g[present:] if b != NO_BLOCK)
+            self._loads.append(LoadJob(request.request_id, tuple(g[:total] for g in groups), present))
+        else:
+            ids = blocks.get_block_ids()[0]
+            self._loads.append(LoadJob(request.request_id, list(ids[:total]), present))
         t.sent_blocks = total
         self.tokens_offered += num_external_tokens
 
@@ -123,6 +155,9 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.opened = True
         self._lookups, self._loads, self._ended = {}, [], []
+        if self.tables is not None:
+            self._grouped_steps(meta, so)
+            return meta
         for rid in so.preempted_req_ids or ():
             t = self._reqs.get(rid)
             if t is None:
@@ -160,6 +195,44 @@ class SchedulerSide:
         meta.num_prefill_tokens = prefill
         return meta
 
+    def _grouped_steps(self, meta: AiokvConnectorMetadata, so: SchedulerOutput) -> None:
+        """``build_connector_meta`` for several groups: per-group block ids, and the sliding-window blocks this
+        step reallocates dropped from the requests that held them."""
+        tables = self.tables
+        assert tables is not None
+        allocated, self._allocated = self._allocated, set()
+        group_steps, released = tables.apply(so, allocated)
+        preempted = set(so.preempted_req_ids or ())
+        for rid in preempted:
+            t = self._reqs.get(rid)
+            if t is None:
+                continue
+            drops = released.pop(rid, None)
+            meta.preempted.append(EndJob(rid, "preempt", self._new_tokens(t), t.computed, False, drops))
+            t.running = False
+            t.sent_blocks = 0
+        for rid, ids in released.items():
+            if rid in self._reqs and self._reqs[rid].opened:
+                meta.drops.append(DropJob(rid, ids))
+                self.blocks_dropped += sum(len(g) for g in ids)
+        nst = so.num_scheduled_tokens
+        prefill = 0
+        for gs in group_steps:
+            t = self._tracked(gs.req_id)
+            if t is None:
+                continue
+            ids = gs.new_block_ids
+            if gs.full_table:  # the whole table: a new request, or one resumed after a preemption
+                full = t.sent_blocks == 0
+                new = tuple(list(g[t.sent_blocks :]) for g in ids)
+                t.sent_blocks = len(ids[0])
+            else:
+                full = False
+                new = ids
+                t.sent_blocks += len(ids[0])
+            prefill += self._step(meta, t, new, nst[gs.req_id], full)
+        meta.num_prefill_tokens = prefill
+
     def _tracked(self, rid: str) -> _Tracked | None:
         return self._reqs.get(rid)
 
@@ -172,7 +245,12 @@ class SchedulerSide:
         return new
 
     def _step(
-        self, meta: AiokvConnectorMetadata, t: _Tracked, new_blocks: list[int], scheduled: int, full: bool
+        self,
+        meta: AiokvConnectorMetadata,
+        t: _Tracked,
+        new_blocks: list[int] | tuple[list[int], ...],
+        scheduled: int,
+        full: bool,
     ) -> int:
         req = t.request
         before = req.num_computed_tokens
@@ -209,6 +287,25 @@ class SchedulerSide:
     def request_finished(
         self, request: Request, block_ids: Iterable[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """One KV-cache group (vLLM's ``request_finished``)."""
+        return self._finished(request, block_ids, None)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``SupportsHMA.request_finished_all_groups``: the request's blocks per group (vLLM freed the
+        sliding-window blocks out of the window right before, and nulled them here)."""
+        if self.tables is None:
+            (ids,) = block_ids
+            return self._finished(request, ids, None)
+        groups = from_vllm_ids(block_ids, self.num_groups)
+        drops = self.tables.finished(request.request_id, groups)
+        held = [b for g in groups for b in g if b != NO_BLOCK]
+        return self._finished(request, held, drops)
+
+    def _finished(
+        self, request: Request, block_ids: Iterable[int], drops: tuple[list[int], ...] | None
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         t = self._reqs.pop(rid, None)
         if t is None:
@@ -224,7 +321,11 @@ class SchedulerSide:
         # into them is fenced by vLLM itself (it frees them on finished_recving).
         report = t.running and any(True for _ in block_ids)
         computed = min(t.computed, request.num_computed_tokens) if t.running else 0
-        self._ended.append(EndJob(rid, kind, self._new_tokens(t), computed, report))
+        if drops is not None and t.running and any(drops):
+            self.blocks_dropped += sum(len(g) for g in drops)
+        else:
+            drops = None
+        self._ended.append(EndJob(rid, kind, self._new_tokens(t), computed, report, drops))
         if report:
             self._holding.add(rid)
         return report, None

@@ -17,6 +17,14 @@ What vLLM is told, and when:
 - a finished or aborted request in ``finished_sending`` once aiokv's ``finish()``/``abort()`` resolved, i.e.
   once every copy reading its blocks ended (vLLM frees them only then);
 - a preemption before ``handle_preemptions`` returns.
+
+Several KV-cache groups (vLLM's hybrid KV-cache manager): the layout is an :meth:`aiokv.KVLayout.from_groups`
+with one aiokv group per vLLM group (:func:`build_grouped_layout`), every job's block ids are per group, and the
+sliding-window blocks vLLM freed (a :class:`DropJob`, the ``drops`` of an end or a preemption) are dropped from
+the aiokv request (``Request.drop_blocks``) before anything else of the step; ``handle_preemptions`` returns
+only once every copy that may still read them is done (vLLM may write them in this step's forward), and this
+step's loads are submitted only after that. A failed load is reported in ``failed_recving`` only (vLLM refuses
+block-level load errors with several groups; it recomputes the request).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .._bridge import call_in_loop
+from ._block_table import VllmGroup, vllm_groups
 from ._meta import AiokvConnectorMetadata, AiokvWorkerMetadata, EndJob, LoadJob, LookupJob, StepJob
 
 if TYPE_CHECKING:
@@ -43,7 +52,7 @@ if TYPE_CHECKING:
     from .._request import Request
     from ._config import ConnectorConfig
 
-__all__ = ["WorkerSide", "build_layout"]
+__all__ = ["WorkerSide", "build_grouped_layout", "build_layout"]
 
 _log = logging.getLogger("aiokv.vllm")
 
@@ -57,42 +66,90 @@ def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size
     each layer's cache is viewed as ``(num_blocks, bytes per block)`` raw bytes (vLLM's offloading worker
     reads them the same way), so a block's KV is one contiguous run of bytes per layer. Layers that alias
     the same bytes (caches overlaid by vLLM) are taken once."""
-    import torch
-
     from .._errors import InvalidLayoutError
     from .._layout import KVLayout
 
     views: list[torch.Tensor] = []
     seen: set[tuple[int, tuple[int, ...]]] = set()
     for name, cache in kv_caches.items():
-        if cache.shape[0] % num_blocks:
-            raise InvalidLayoutError(
-                f"KV cache of layer {name!r} has {cache.shape[0]} blocks in dimension 0, not a multiple of the "
-                f"engine's {num_blocks} blocks: this attention backend's layout is not supported"
-            )
-        ref = cache if cache.shape[0] == num_blocks else cache.view(num_blocks, -1, *cache.shape[1:])
-        elem = ref.element_size()
-        block = ref[0]
-        page = block.numel() * elem
-        if not block.is_contiguous():
-            # A permuted view: its bytes per block must still form one dense run.
-            span = 1 + sum((d - 1) * s for d, s in zip(block.shape, block.stride()) if d > 1)
-            if span != block.numel():
-                raise InvalidLayoutError(
-                    f"KV cache of layer {name!r} does not hold each block in one contiguous run of bytes"
-                )
-        stride = ref.stride(0) * elem
-        key = (ref.data_ptr(), (stride, page))
+        key, raw = _raw_view(name, cache, num_blocks)
         if key in seen:
             continue
         seen.add(key)
-        raw = torch.empty(0, dtype=torch.uint8, device=ref.device).set_(
-            ref.untyped_storage(), ref.storage_offset() * elem, (num_blocks, page), (stride, 1)
-        )
         views.append(raw)
     if not views:
         raise InvalidLayoutError("register_kv_caches got no KV cache tensors")
     return KVLayout(views, block_size=block_size, token_dim=None, model_id=model_id)
+
+
+def build_grouped_layout(
+    kv_caches: dict[str, torch.Tensor],
+    groups: tuple[VllmGroup, ...],
+    num_blocks: int,
+    model_id: str,
+) -> Any:
+    """An :meth:`aiokv.KVLayout.from_groups` over vLLM's KV caches with several groups: one aiokv group per vLLM
+    group (its kind and window), each over its own layers' caches viewed as raw bytes per block (as in
+    :func:`build_layout`). vLLM's hybrid allocator overlays the groups (a sliding-window layer and a
+    full-attention layer share one buffer, each group using its own block ids of it): such layers get the very
+    same view in both groups, which aiokv allows (it keeps each group's block ids apart)."""
+    from .._errors import InvalidLayoutError
+    from .._groups import KVGroup
+    from .._layout import KVLayout
+
+    shared: dict[tuple[int, tuple[int, int]], torch.Tensor] = {}
+    kv_groups: list[KVGroup] = []
+    for g in groups:
+        views: list[torch.Tensor] = []
+        seen: set[tuple[int, tuple[int, int]]] = set()
+        for name in g.layer_names:
+            cache = kv_caches.get(name)
+            if cache is None:
+                continue
+            key, raw = _raw_view(name, cache, num_blocks)
+            if key in seen:  # layers sharing one cache within the group (vLLM's cross-layer KV sharing)
+                continue
+            seen.add(key)
+            views.append(shared.setdefault(key, raw))
+        if not views:
+            raise InvalidLayoutError(
+                f"register_kv_caches got no KV cache tensor for kv_cache_groups[{g.index}] (layers "
+                f"{', '.join(g.layer_names[:3])}{', ...' if len(g.layer_names) > 3 else ''})"
+            )
+        kv_groups.append(KVGroup(views, g.kind, window=g.window, token_dim=None, name=f"{g.kind}{g.index}"))
+    return KVLayout.from_groups(kv_groups, groups[0].block_size, model_id=model_id)
+
+
+def _raw_view(
+    name: str, cache: torch.Tensor, num_blocks: int
+) -> tuple[tuple[int, tuple[int, int]], torch.Tensor]:
+    """One layer's cache as ``(num_blocks, bytes per block)`` raw bytes, and a key naming those bytes."""
+    import torch
+
+    from .._errors import InvalidLayoutError
+
+    if cache.shape[0] % num_blocks:
+        raise InvalidLayoutError(
+            f"KV cache of layer {name!r} has {cache.shape[0]} blocks in dimension 0, not a multiple of the "
+            f"engine's {num_blocks} blocks: this attention backend's layout is not supported"
+        )
+    ref = cache if cache.shape[0] == num_blocks else cache.view(num_blocks, -1, *cache.shape[1:])
+    elem = ref.element_size()
+    block = ref[0]
+    page = block.numel() * elem
+    if not block.is_contiguous():
+        # A permuted view: its bytes per block must still form one dense run.
+        span = 1 + sum((d - 1) * s for d, s in zip(block.shape, block.stride()) if d > 1)
+        if span != block.numel():
+            raise InvalidLayoutError(
+                f"KV cache of layer {name!r} does not hold each block in one contiguous run of bytes"
+            )
+    stride = ref.stride(0) * elem
+    key = (ref.data_ptr(), (stride, page))
+    raw = torch.empty(0, dtype=torch.uint8, device=ref.device).set_(
+        ref.untyped_storage(), ref.storage_offset() * elem, (num_blocks, page), (stride, 1)
+    )
+    return key, raw
 
 
 class WorkerSide:
@@ -105,6 +162,10 @@ class WorkerSide:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.block_size = int(vllm_config.cache_config.block_size)
+        # Several KV-cache groups (vLLM's hybrid KV-cache manager): None for one group of full attention.
+        self.groups = vllm_groups(kv_cache_config)
+        if self.groups is not None:
+            self.block_size = self.groups[0].block_size
         self.off: Offloader | None = None
         self._portal_cm: Any = None
         self._portal: Any = None
@@ -114,7 +175,8 @@ class WorkerSide:
         self._pending: set[asyncio.Future[Any]] = set()
         # Outcomes, appended on the loop thread, drained on vLLM's (deque append/popleft are atomic).
         self._lookups_done: deque[tuple[str, int, int]] = deque()
-        self._loads_done: deque[tuple[str, list[int]]] = deque()
+        # (request, failed, vLLM blocks to recompute)
+        self._loads_done: deque[tuple[str, bool, list[int]]] = deque()
         self._sent_done: deque[str] = deque()
         self._outcome = threading.Condition()
         self._outstanding = 0  # lookups, loads and ends not yet reported (vLLM's thread)
@@ -122,12 +184,17 @@ class WorkerSide:
         self._step_started = 0.0
         self._prepared: AiokvConnectorMetadata | None = None
         self.step_errors = 0
+        self.blocks_dropped = 0  # sliding-window blocks vLLM freed that aiokv was told of (several groups)
 
     # ------------------------------------------------------------------ lifetime
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from anyio.from_thread import start_blocking_portal
 
-        layout = build_layout(kv_caches, self.kv_cache_config.num_blocks, self.block_size, self._model_id())
+        num_blocks = self.kv_cache_config.num_blocks
+        if self.groups is None:
+            layout = build_layout(kv_caches, num_blocks, self.block_size, self._model_id())
+        else:
+            layout = build_grouped_layout(kv_caches, self.groups, num_blocks, self._model_id())
         options: dict[str, Any] = {}
         with contextlib.suppress(ImportError):
             import uvloop  # noqa: F401
@@ -220,7 +287,7 @@ class WorkerSide:
         if self._prepared is meta:
             return
         self._prepared = meta
-        if not (meta.lookups or meta.loads or meta.ended or meta.preempted):
+        if not (meta.lookups or meta.loads or meta.ended or meta.preempted or meta.drops):
             return
         self._outstanding += len(meta.lookups) + len(meta.loads) + sum(e.report for e in meta.ended)
         waited: concurrent.futures.Future[None] = call_in_loop(
@@ -228,11 +295,18 @@ class WorkerSide:
         )
         if meta.preempted:
             self._wait_preempted(waited)
+        elif meta.drops or any(e.drops for e in meta.ended):
+            self._wait_dropped(waited)
 
     def _wait_preempted(self, preempted: concurrent.futures.Future[None]) -> None:
         """Block vLLM's thread until every preempted request's copies have ended: vLLM freed their blocks
         already, and this step's forward may write them."""
         preempted.result(_PREEMPT_TIMEOUT_S)
+
+    def _wait_dropped(self, dropped: concurrent.futures.Future[None]) -> None:
+        """Several groups: block vLLM's thread until every copy that may read the sliding-window blocks vLLM
+        freed (and may write in this step's forward) has ended."""
+        dropped.result(_PREEMPT_TIMEOUT_S)
 
     def wait_for_save(self, meta: AiokvConnectorMetadata) -> None:
         """After the forward: this step's tokens and blocks, in one hand-over; stores follow on the loop."""
@@ -260,9 +334,9 @@ class WorkerSide:
         recving: set[str] = set()
         failed: set[str] = set()
         while self._loads_done:
-            rid, bad = self._loads_done.popleft()
+            rid, load_failed, bad = self._loads_done.popleft()
             recving.add(rid)
-            if bad:
+            if load_failed:
                 failed.add(rid)
                 self._load_errors.update(bad)
         self._outstanding -= len(sending) + len(recving)
@@ -301,15 +375,42 @@ class WorkerSide:
         task.add_done_callback(self._pending.discard)
 
     async def _on_prepare(self, meta: AiokvConnectorMetadata) -> None:
+        fences: list[Any] = [self._drop(job.req_id, job.block_ids) for job in meta.drops]
         for job in meta.ended:
-            self._end(job)
+            fences.append(self._end(job))
         for lookup in meta.lookups:
             self._lookup(lookup)
+        fences += [self._preempt(job) for job in meta.preempted]
+        fences = [f for f in fences if f is not None]
+        if self.groups is not None and fences:
+            # A load may write a block vLLM just freed from a sliding-window position: only once every copy
+            # that may still read it is done.
+            await asyncio.gather(*fences)
+            fences = []
         for load in meta.loads:
             self._load(load)
-        waits = [self._preempt(job) for job in meta.preempted]
-        if waits:
-            await asyncio.gather(*waits)
+        if fences:
+            await asyncio.gather(*fences)
+
+    def _drop(self, rid: str, block_ids: tuple[list[int], ...] | None) -> Any:
+        """Several groups: vLLM freed these sliding-window blocks of the request; tell aiokv (the ones its table
+        still names). Returns an awaitable resolving once no copy may read them, or ``None``."""
+        req = self._reqs.get(rid)
+        if req is None or req.done or not block_ids:
+            return None
+        rows: Any = req.block_ids  # a grouped request's rows: one id per group
+        held = {(g, b) for row in rows for g, b in enumerate(row) if b >= 0}
+        ids = tuple([b for b in group if (g, b) in held] for g, group in enumerate(block_ids))
+        if not any(ids):
+            return None
+        try:
+            pending = req.drop_blocks(ids)
+        except Exception:
+            # Cannot happen for a request in step with vLLM; then nothing more is stored from it.
+            self._poison(req, rid)
+            return _quietly(req.abort())
+        self.blocks_dropped += sum(len(g) for g in ids)
+        return _quietly(pending)
 
     def _on_steps(self, steps: list[StepJob], sample: tuple[int, float] | None) -> None:
         off = self.off
@@ -334,7 +435,7 @@ class WorkerSide:
             with contextlib.suppress(Exception):
                 off.record_prefill(*sample)
 
-    def _catch_up(self, req: Request, tokens: list[int], computed: int, blocks: list[int]) -> None:
+    def _catch_up(self, req: Request, tokens: list[int], computed: int, blocks: Any) -> None:
         """Apply a step, claiming no more computed tokens than the worker knows tokens of (vLLM's asynchronous
         scheduling reports a step before its sampled token: that block is stored by a later step)."""
         from .._request import RequestState
@@ -383,15 +484,22 @@ class WorkerSide:
 
     def _load(self, job: LoadJob) -> None:
         req = self._reqs.get(job.req_id)
-        expected = len(job.block_ids) * self.block_size
-        failed = job.block_ids[job.present_blocks :]
+        if self.groups is None:
+            ids: Any = job.block_ids
+            expected = len(ids) * self.block_size
+            failed: list[int] = ids[job.present_blocks :]
+        else:
+            # vLLM refuses block-level load errors with several groups: a failed load is failed_recving only
+            # (vLLM recomputes the request).
+            expected = len(job.block_ids[0]) * self.block_size  # type: ignore[arg-type]
+            failed = []
         try:
             if req is None:
                 raise LookupError(f"load of unknown request {job.req_id!r}")
-            pending = req.load(job.block_ids, present_blocks=job.present_blocks)
+            pending = req.load(job.block_ids, present_blocks=job.present_blocks)  # type: ignore[arg-type]
         except Exception:
             _log.exception("aiokv: load of request %r refused; its blocks are recomputed", job.req_id)
-            self._report(self._loads_done, (job.req_id, failed))
+            self._report(self._loads_done, (job.req_id, self.groups is not None or bool(failed), failed))
             return
 
         async def done() -> None:
@@ -400,7 +508,11 @@ class WorkerSide:
             except Exception:
                 _log.exception("aiokv: load of request %r failed; its blocks are recomputed", job.req_id)
                 restored = 0
-            self._report(self._loads_done, (job.req_id, [] if restored >= expected else failed))
+            ok = restored >= expected
+            bad = [] if ok else failed
+            self._report(
+                self._loads_done, (job.req_id, not ok and (self.groups is not None or bool(bad)), bad)
+            )
 
         self._spawn(done())
 
@@ -408,6 +520,9 @@ class WorkerSide:
         req = self._reqs.get(job.req_id)
         if req is None or req.done:
             return
+        dropped = self._drop(job.req_id, job.drops)
+        if dropped is not None:
+            await dropped  # the preemption's final store skips them
         try:
             self._catch_up(req, job.new_tokens, job.num_computed_tokens, [])
         except Exception:
@@ -419,12 +534,15 @@ class WorkerSide:
         else:
             await _quietly(req.preempt())
 
-    def _end(self, job: EndJob) -> None:
+    def _end(self, job: EndJob) -> Any:
+        """Finish or abort the request; returns an awaitable resolving once no copy may read the blocks vLLM
+        freed at the end (several groups, ``job.drops``), or ``None``."""
+        fence = self._drop(job.req_id, job.drops)
         req = self._reqs.pop(job.req_id, None)
         if req is None or req.done:
             if job.report:
                 self._report(self._sent_done, job.req_id)
-            return
+            return fence
         from .._request import RequestState
 
         ending: Any
@@ -442,6 +560,7 @@ class WorkerSide:
                 self._report(self._sent_done, job.req_id)
 
         self._spawn(done())
+        return fence
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> Any:

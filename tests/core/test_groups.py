@@ -208,8 +208,8 @@ async def test_grouped_misuse_is_refused() -> None:
         await req.lookup()
         with pytest.raises(aiokv.InvalidArgumentError, match="one sequence of block ids per group"):
             req.step(16, [], ([0],))
-        with pytest.raises(aiokv.InvalidArgumentError, match="same number of blocks"):
-            req.step(16, [], ([0, 1], [2]))
+        with pytest.raises(aiokv.InvalidArgumentError, match=r"must fit in the request's blocks \(16 tokens"):
+            req.step(32, [], ([0, 1], [2]))  # the sliding group covers one block: 16 tokens, not 32
         with pytest.raises(aiokv.InvalidArgumentError, match="must hold a block at every position"):
             req.step(16, [], ([NO_BLOCK], [2]))
         req.step(16, [], ([0], [1]))
@@ -410,7 +410,11 @@ async def test_random_schedules_never_restore_wrong_kv(seed: int, disk: bool, tm
             [("sliding_window", 24), ("full", None), ("sliding_window", 56)],
             [("latent", None), ("state", None)],
             [("sliding_window", 33)],
-            [("full", None), ("latent", None), ("sliding_window", 20)],  # two base parts (sharded, replicated)
+            [
+                ("full", None),
+                ("latent", None),
+                ("sliding_window", 20),
+            ],  # two base parts (sharded, replicated)
         ]
     )
     sim = GroupSim(kinds, num_blocks=160, checkpoint_blocks=rng.choice([2, 3, 5]))
@@ -682,9 +686,7 @@ async def test_retention_keeps_every_unit_the_next_turn_needs() -> None:
     sim = GroupSim([("full", None), ("sliding_window", 40)], num_blocks=128, checkpoint_blocks=64)
     lay = sim.layout
     prompt = list(range(8 * BS + 1))
-    async with Offloader(
-        lay, tiers=[CPUTier(capacity_bytes=24 * lay.slot_bytes)], eviction="session"
-    ) as off:
+    async with Offloader(lay, tiers=[CPUTier(capacity_bytes=24 * lay.slot_bytes)], eviction="session") as off:
         req = off.open("a", prompt, retain_s=3600.0)
         await req.lookup()
         blocks = sim.alloc(9)
@@ -697,4 +699,65 @@ async def test_retention_keeps_every_unit_the_next_turn_needs() -> None:
         assert off.stats().evictions > 0
         nxt = off.open("b", [*prompt, 7, 8, 9])
         assert await nxt.lookup() == 8 * BS
+        await nxt.abort()
+
+
+@pytest.mark.asyncio
+async def test_groups_with_different_block_sizes() -> None:
+    """A full-attention group of 16-token blocks and a sliding-window group of 32-token blocks under 32-token
+    key blocks: the engine hands each group blocks in its own granularity (decode steps bring a full-group block
+    every 16 tokens, a sliding one every 32); a key block joins aiokv's table once every group covers it, and a
+    restore puts every sub-block back exactly."""
+    kb = 32
+    full = torch.full((64, 16, 2, 4), float("nan"))
+    slide = torch.full((64, 32, 2, 4), float("nan"))
+    lay = KVLayout.from_groups(
+        [KVGroup([full], block_size=16), KVGroup([slide], kind="sliding_window", window=40)],
+        kb,
+        checkpoint_blocks=2,
+    )
+    assert [g.ratio for g in lay.groups] == [2, 1]
+    prompt = list(range(3 * kb + 5))
+    seq = [*prompt, *range(900, 900 + 2 * kb)]
+    keys = aiokv.block_hashes(seq, kb, root=lay.root)
+
+    def fill(fids: list[int], sids: list[int], upto: int) -> None:
+        for i in range(upto):
+            full[fids[2 * i]].fill_(_value(keys[i], 10))
+            full[fids[2 * i + 1]].fill_(_value(keys[i], 11))
+            slide[sids[i]].fill_(_value(keys[i], 20))
+
+    async with Offloader(lay, tiers=[CPUTier(capacity_bytes=64 * lay.slot_bytes)]) as off:
+        req = off.open("a", prompt)
+        assert await req.lookup() == 0
+        fill(list(range(12)), list(range(20, 26)), len(seq) // kb)  # the KV every block will hold
+        fids, sids = list(range(0, 7)), list(range(20, 24))  # 7 x 16 and 4 x 32 tokens: covers 101 tokens
+        req.step(len(prompt), [seq[len(prompt)]], (fids, sids))
+        with pytest.raises(aiokv.InvalidArgumentError, match="must fit in the request's blocks"):
+            req.step(113, seq[102:114])  # 113 tokens computed: the full group's 7 blocks hold only 112
+        for n in range(len(prompt) + 1, len(seq)):
+            new_f = [len(fids)] if n % 16 == 0 else []
+            new_s = [20 + len(sids)] if n % 32 == 0 else []
+            fids += new_f
+            sids += new_s
+            req.step(n, [seq[n]], (new_f, new_s))
+        assert fids == list(range(len(fids)))
+        assert sids == list(range(20, 20 + len(sids)))
+        assert req.num_computed_tokens == len(seq) - 1
+        await req.finish()
+        final = (len(seq) - 1) // kb
+        nxt = off.open("b", [*seq[: final * kb], 1])
+        assert await nxt.lookup() == final * kb
+        f2, s2 = list(range(30, 30 + 2 * final)), list(range(40, 40 + final))
+        full[f2].fill_(float("nan"))
+        slide[s2].fill_(float("nan"))
+        with pytest.raises(aiokv.InvalidArgumentError, match="must cover the same key blocks"):
+            nxt.load((f2[:-1], s2))
+        assert await nxt.load((f2, s2)) == final * kb
+        for i in range(final):
+            assert bool((full[f2[2 * i]] == _value(keys[i], 10)).all()), i
+            assert bool((full[f2[2 * i + 1]] == _value(keys[i], 11)).all()), i
+        w = window_blocks(40, kb)
+        for i in range(final - w, final):
+            assert bool((slide[s2[i]] == _value(keys[i], 20)).all()), i
         await nxt.abort()
