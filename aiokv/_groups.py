@@ -586,10 +586,6 @@ class GroupedLayout(KVLayout):
         owner = self.column_group
         return {(mem[owner[c]], b) for row in rows for c, b in enumerate(row) if b >= 0}
 
-    def _base_groups(self) -> Iterable[int]:
-        for p in self._bases:
-            yield from self.parts[p].groups
-
     # ------------------------------------------------------------ copy plans
     def _unit_plan(self, unit: int) -> tuple[Int64Array, ...]:
         """Per segment piece of unit ``unit``: its row column (which engine block id it reads), address of

@@ -856,19 +856,29 @@ class Offloader:
                 key = chain[i]
                 row = rows[i]
                 parent = chain[i - 1] if i else None
-                for u in base_units:
-                    add(key if u == 0 and identity else key_of(key, u), u, row, parent, i)
+                # A block already cached (its base units deduplicated) saves nothing by skipping its parts.
+                new = True
+                if base_units:
+                    new = (
+                        sum(
+                            add(key if u == 0 and identity else key_of(key, u), u, row, parent, i)
+                            for u in base_units
+                        )
+                        > 0
+                    )
                 for p, w in lay.windows:
-                    if keep.keep_window_at_fill(i, w, prompt) and held(p, row):
-                        for u in lay.part_units(p):
-                            add(lay.unit_key(key, u), u, row, None, i)
-                    else:
+                    if keep.keep_window_at_fill(i, w, prompt):
+                        if held(p, row):  # (a position the engine holds no block at has nothing to store)
+                            for u in lay.part_units(p):
+                                add(lay.unit_key(key, u), u, row, None, i)
+                    elif new:
                         c.retention_units_skipped += parts[p].units
                 for p in lay.state_parts:
-                    if keep.keep_state_at_fill(i + 1, prompt) and held(p, row):
-                        for u in lay.part_units(p):
-                            add(lay.unit_key(key, u), u, row, None, i)
-                    else:
+                    if keep.keep_state_at_fill(i + 1, prompt):
+                        if held(p, row):
+                            for u in lay.part_units(p):
+                                add(lay.unit_key(key, u), u, row, None, i)
+                    elif new:
                         c.retention_units_skipped += parts[p].units
         if not keys:
             return None

@@ -105,9 +105,11 @@ async def test_full_and_sliding_restore_exactly_and_skip_the_rest() -> None:
     prompt = list(range(1000, 1000 + 20 * BS + 5))  # 20 full blocks
     async with Offloader(lay, tiers=[CPUTier(capacity_bytes=400 * lay.slot_bytes)]) as off:
         await _serve(sim, off, "a", prompt)
-        stats = off.stats()
-        # Base units for all 20 blocks; window units near the checkpoints 8 and 16 and the prompt end 20.
-        assert stats.retention_bytes_saved > 0
+        # Base units for all 20 blocks; window units of blocks 5-7, 13-15 (checkpoints 8, 16) and 17-19 (the
+        # prompt's end, also the final boundary): 11 window units never stored.
+        assert off.stats().retention_bytes_saved == 11 * lay.slot_bytes
+        await _serve(sim, off, "a2", prompt)  # the same blocks again: nothing new is left out
+        assert off.stats().retention_bytes_saved == 11 * lay.slot_bytes
         req = off.open("b", [*prompt, 5, 6, 7])
         hit = await req.lookup()
         assert hit == 20 * BS
