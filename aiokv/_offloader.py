@@ -30,7 +30,7 @@ from ._hashing import _canon, check_token_ids
 from ._layout import KVLayout
 from ._log import Throttled, get_logger
 from ._planner import LoadPlanner
-from ._request import Request, StepUpdate, step_batch
+from ._request import Request, StepUpdate, _Ev, step_batch
 from ._stats import Counters, OffloaderStats, WriteThroughStats
 from .tiers._base import BackingTier, TierSpec
 from .tiers._cpu import CPUTier
@@ -210,6 +210,9 @@ class Offloader:
         # Bound once: completion callbacks are per copy, and the control path avoids allocating per copy.
         self._store_done_cb = self._store_done
         self._tick_store: TransferFuture | None = None  # the store future later stores of this tick may join
+        # Stores that steps of this tick completed, submitted together by the executor's flush (see
+        # _flush_deferred): (request, first block, end block, its block list, generation).
+        self._deferred: list[tuple[Request, int, int, list[int], int]] = []
         self._load_done_cb = self._load_done
         self._event_log: KVEventLog | None = None
         self._ev: TierEvents | None = None  # the CPU tier's event sink (None: events off)
@@ -314,6 +317,7 @@ class Offloader:
             staging_bytes=self._staging_bytes,
             copy_threads=self._copy_threads,
         )
+        self._executor.before_flush(self._flush_deferred)
         spec = TierSpec(
             payload_bytes=self.layout.slot_bytes,
             fingerprint=self.layout.fingerprint,
@@ -730,33 +734,100 @@ class Offloader:
             assert source is not None
             return self._store_units(chain, start, end, blocks, mark, source)
         tenant, priority = (None, 0) if source is None else (source._tenant, source.priority)
-        index = self._index
+        positions, slots, present = self._index.reserve_run(chain, start, end, tenant, priority)
         c = self._counters
+        c.stores_deduplicated += present
+        c.stores_dropped += end - start - present - len(slots)
+        keys = [chain[i] for i in positions]
         meta = self._ev_meta
+        if meta is not None:
+            bs = self.block_size
+            for i, key in zip(positions, keys, strict=True):
+                meta[key] = (chain[i - 1] if i else None, bs, source, i * bs)
+            self._ev_evicted()
+        if not keys:
+            return None
+        return self._submit_store(keys, slots, [blocks[i] for i in positions], mark)
+
+    def _flush_deferred(self) -> None:
+        """Submit the stores this tick's steps completed (the executor's flush calls this first, and so does
+        its drain; every event posted to a request calls it before, so a store a step completed is always
+        submitted before anything the engine did after that step). Decided as if each was submitted at its
+        step: a request whose task has events queued or is busy gets it as a STORE event, in order; the
+        others' are reserved and joined into one copy for the whole tick."""
+        deferred = self._deferred
+        if not deferred:
+            return
+        self._deferred = []
+        plain = self._ev_meta is None and self._grouped is None
+        index = self._index
+        reserve, reserve_run = index.reserve, index.reserve_run
         bs = self.block_size
         keys: list[bytes] = []
         slots: list[int] = []
         ids: list[int] = []
-        for i in range(start, end):
-            key = chain[i]
-            parent = chain[i - 1] if i else None
-            slot = index.reserve(key, parent, i, tenant, priority)
-            if slot is None:
-                if index.state(key) is not None:
-                    c.stores_deduplicated += 1
-                else:
-                    c.stores_dropped += 1
+        owners: list[Request] = []
+        present = missed = 0
+        for req, start, end, blocks, epoch in deferred:
+            waiter = req._waiter
+            if req._events or waiter is None or waiter.done():
+                req._post_nowait(_Ev.STORE, (start, end, blocks, None, epoch))
                 continue
-            keys.append(key)
-            slots.append(slot)
-            ids.append(blocks[i])
-            if meta is not None:
-                meta[key] = (parent, bs, source, i * bs)
-        if meta is not None:
-            self._ev_evicted()
+            if not plain:
+                req._store((start, end, blocks, None, epoch))
+                continue
+            # Request._store and _store_blocks, inline, for the whole tick.
+            if req._abort_requested:
+                continue
+            if end * bs > req._store_cap:  # max_store_tokens / store_decode=False
+                end = req._store_cap // bs
+                if start >= end:
+                    continue
+            if epoch == req._failed_epoch:
+                self._counters.stores_invalidated += end - start
+                continue
+            try:
+                chain = req._chain(end)
+                if end - start == 1:  # a decode step's block: reserve() alone costs half of reserve_run()
+                    key = chain[start]
+                    slot = reserve(key, chain[start - 1] if start else None, start, req._tenant, req.priority)
+                    if slot is None:
+                        if index.state(key) is not None:
+                            present += 1
+                        else:
+                            missed += 1
+                    else:
+                        keys.append(key)
+                        ids.append(blocks[start])
+                        slots.append(slot)
+                        owners.append(req)
+                    continue
+                positions, got, dup = reserve_run(chain, start, end, req._tenant, req.priority)
+            except Exception as exc:
+                self._store_not_submitted(req.request_id, exc)
+                continue
+            present += dup
+            if len(got) != end - start:
+                missed += end - start - dup - len(got)
+            if got:
+                for i in positions:
+                    keys.append(chain[i])
+                    ids.append(blocks[i])
+                slots.extend(got)
+                owners.append(req)
+        if present or missed:
+            self._counters.stores_deduplicated += present
+            self._counters.stores_dropped += missed
         if not keys:
-            return None
-        return self._submit_store(keys, slots, ids, mark)
+            return
+        try:
+            tf = self._submit_store(keys, slots, ids, None)
+        except Exception as exc:
+            for req in owners:
+                self._store_not_submitted(req.request_id, exc)
+            return
+        for req in owners:
+            req._track(tf)
 
     def _store_one(
         self,
@@ -1062,8 +1133,7 @@ class Offloader:
         index = self._index
         c = self._counters
         if tf.exception() is None:
-            for key in keys:
-                index.commit(key)
+            index.commit_run(keys)
             if self._ev is not None:
                 self._ev_stored(keys)
             c.blocks_stored += len(keys)

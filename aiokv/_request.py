@@ -29,7 +29,15 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ClosedError, InvalidArgumentError, InvalidTypeError, RequestStateError, TransferError
-from ._hashing import _I64_MAX, _I64_MIN, chain_hashes_from, chain_seed, check_token_ids, partial_block_hash
+from ._hashing import (
+    _I64_MAX,
+    _I64_MIN,
+    _chain_in_place,
+    chain_hashes_from,
+    chain_seed,
+    check_token_ids,
+    partial_block_hash,
+)
 from .transfer._future import TransferFuture, resolve
 
 if TYPE_CHECKING:
@@ -541,12 +549,20 @@ class Request:
             self.token_ids.extend(toks)
 
     def _step_store(self, upto: int, full: int) -> None:
-        """A step completed blocks ``upto..full-1`` (``_stored_upto`` is already ``full``): queue their store."""
+        """A step completed blocks ``upto..full-1`` (``_stored_upto`` is already ``full``): queue their store.
+
+        On the CPU backend the store joins the tick's deferred stores, which the executor's flush submits as
+        one copy at the end of the tick (Offloader._flush_deferred); any event posted to this request first
+        submits them, so the order is that of an immediate submission."""
         off = self._off
-        # The KV of this step may still be queued on the compute stream: the store waits for this point.
-        self._queue_store(
-            (upto, full, self._blocks, off._mark() if off._device is not None else None, self._epoch)
-        )
+        if off._device is not None:
+            # The KV of this step may still be queued on the compute stream: the store waits for this point.
+            self._queue_store((upto, full, self._blocks, off._mark(), self._epoch))
+            return
+        deferred = off._deferred
+        if not deferred:
+            off.executor.schedule_flush()
+        deferred.append((self, upto, full, self._blocks, self._epoch))
 
     def _apply_step_general(self, num_computed_tokens: Any, new_token_ids: Any, new_block_ids: Any) -> None:
         """Every step the fast path did not take: validates everything before changing anything (a rejected
@@ -744,6 +760,14 @@ class Request:
         return fut
 
     def _post_nowait(self, kind: _Ev, payload: Any, fut: asyncio.Future[Any] | None = None) -> None:
+        off = self._off
+        if off._deferred:
+            # Stores that earlier steps completed go first. Nothing may keep this event from being posted
+            # (an abort or finish that never resolves would hold the engine's blocks forever).
+            try:
+                off._flush_deferred()
+            except Exception as exc:
+                off._store_not_submitted(self.request_id, exc)
         self._events.append((kind, payload, fut))
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -765,10 +789,14 @@ class Request:
         hashes = self._hashes
         have = len(hashes)
         if n_blocks > have:
-            bs = self._off.block_size
+            bs = self._bs
             # Token ids were validated by open() and step(): the unchecked hot path is safe here.
             prev = hashes[-1] if hashes else self._parent(0)
-            hashes.extend(chain_hashes_from(prev, self.token_ids, have * bs, bs, n_blocks - have))
+            try:
+                new = _chain_in_place(prev, self.token_ids, have * bs, bs, n_blocks - have)
+            except (TypeError, OverflowError):  # not exact ints after all: the hashlib path decides
+                new = chain_hashes_from(prev, self.token_ids, have * bs, bs, n_blocks - have)
+            hashes.extend(new)
         return hashes
 
     async def _run(self) -> None:

@@ -6,19 +6,23 @@ tensor is 16, 32, 64 or 128 KiB (heads = 4, 8, 16, 32) and one CPU slot is 64 su
 A measurement moves ``--batch-mib`` of blocks (default 512 MiB, far above the last-level cache) through an
 :class:`aiokv.Offloader` the way an engine does:
 
-- **store**: requests of 64 blocks (1024-token prompts of fresh random tokens), each ``step()`` over 64 random
-  engine blocks and ``finish()``; timed from the first step to the last finish resolving.
-- **load**: the same prompts looked up (untimed), then ``load()`` into 64 random engine blocks each; timed
+- **store**: requests of ``--request-blocks`` blocks (default 64: 1024-token prompts of fresh random tokens),
+  each ``step()`` over that many random engine blocks and ``finish()``; timed from the first step to the last
+  finish resolving.
+- **load**: the same prompts looked up (untimed), then ``load()`` into as many random engine blocks each; timed
   from the first load call to the last one resolving.
 
-Baseline: the faster of torch's ``copy_`` with its default intra-op threads and ``numpy.copyto`` (one thread)
-over two contiguous buffers of the same size, in each repetition. Samples alternate (torch, numpy, store,
-load) and each repetition's ratio is aiokv's GB/s over that repetition's best baseline; the median and the
-range are reported. Every buffer is filled with non-zero bytes first (untouched pages would flatter the
-figures). Also reported: the event loop thread's CPU time per stored block (validation, hashing, index, tasks,
-coalesced submissions) from ``time.thread_time``. Target: ratio >= 0.9 for stores and loads.
+Baseline: the faster of torch's ``copy_`` with ``--threads`` intra-op threads (default: the usable cores, the
+threads the offloader copies with) and ``numpy.copyto`` (one thread) over two contiguous buffers of the same
+size, in each repetition. A repetition runs (torch, numpy, store, load, torch, numpy); its ratios are aiokv's
+GB/s over the first baseline pair's best, and the **null** ratio is the second pair's best over the first: the
+contiguous copy against itself in the same harness, so the spread a ratio owes to the machine alone is printed
+beside the figures. Medians and ranges are reported. Every buffer is filled with non-zero bytes first
+(untouched pages would flatter the figures). Also reported: the event loop thread's CPU time per stored block
+(validation, hashing, index, tasks, coalesced submissions) from ``time.thread_time``. Target: ratio >= 0.9
+for stores and loads.
 
-Run: ``python benchmarks/bench_copy.py [--quick]``.
+Run: ``python benchmarks/bench_copy.py [--quick] [--sizes 16 64] [--request-blocks 192] [--reps 9]``.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ LAYERS = 32
 BLOCK_TOKENS = 16
 HEAD_DIM = 128
 SEGMENT_KIB = [16, 32, 64, 128]
-REQUEST_BLOCKS = 64  # blocks per request: a 1024-token prompt
+REQUEST_BLOCKS = 64  # blocks per request by default: a 1024-token prompt
 TARGET = 0.9
 
 
@@ -87,17 +91,19 @@ class Baselines:
         return time.perf_counter() - t0
 
 
-async def run_size(seg_kib: int, batch_bytes: int, reps: int, seed: int, threads: int) -> dict[str, Any]:
+async def run_size(
+    seg_kib: int, batch_bytes: int, reps: int, seed: int, threads: int, request_blocks: int
+) -> dict[str, Any]:
     heads = seg_kib * common.KiB // (BLOCK_TOKENS * HEAD_DIM * 2)
     seg_bytes = BLOCK_TOKENS * heads * HEAD_DIM * 2
     slot_bytes = 2 * LAYERS * seg_bytes
-    requests = max(1, batch_bytes // (slot_bytes * REQUEST_BLOCKS))
-    batch_blocks = requests * REQUEST_BLOCKS
+    requests = max(1, batch_bytes // (slot_bytes * request_blocks))
+    batch_blocks = requests * request_blocks
     num_blocks = 2 * batch_blocks  # each request's blocks are a random sample of twice as many: scattered
     nbytes = batch_blocks * slot_bytes
 
     common.status(
-        f"  {seg_kib} KiB segments: {requests} requests x {REQUEST_BLOCKS} blocks of {slot_bytes >> 10} KiB"
+        f"  {seg_kib} KiB segments: {requests} requests x {request_blocks} blocks of {slot_bytes >> 10} KiB"
     )
     tensors = [
         torch.empty(num_blocks, BLOCK_TOKENS, heads, HEAD_DIM, dtype=torch.float16) for _ in range(2 * LAYERS)
@@ -109,11 +115,18 @@ async def run_size(seg_kib: int, batch_bytes: int, reps: int, seed: int, threads
     base = Baselines(nbytes, threads)
     rng = random.Random(seed)
     tier = CPUTier(capacity_bytes=2 * batch_blocks * slot_bytes)
-    samples: dict[str, list[float]] = {"torch": [], "numpy": [], "store": [], "load": []}
+    samples: dict[str, list[float]] = {
+        "torch": [],
+        "numpy": [],
+        "store": [],
+        "load": [],
+        "torch_null": [],
+        "numpy_null": [],
+    }
     loop_us_per_block: list[float] = []
     async with Offloader(layout, [tier]) as off:
         fill_nonzero(off.cpu.buffer, seed + 1000)
-        prompt_len = REQUEST_BLOCKS * BLOCK_TOKENS
+        prompt_len = request_blocks * BLOCK_TOKENS
 
         async def store(tag: int) -> tuple[float, list[list[int]], float]:
             prompts = [[rng.randrange(1 << 30) for _ in range(prompt_len + 1)] for _ in range(requests)]
@@ -122,7 +135,7 @@ async def run_size(seg_kib: int, batch_bytes: int, reps: int, seed: int, threads
                 r = off.open(f"s{tag}-{i}", p)
                 await r.lookup()
                 reqs.append(r)
-            pick = [rng.sample(range(num_blocks), REQUEST_BLOCKS + 1) for _ in reqs]
+            pick = [rng.sample(range(num_blocks), request_blocks + 1) for _ in reqs]
             cpu0 = time.thread_time()
             t0 = time.perf_counter()
             for r, blocks in zip(reqs, pick, strict=True):
@@ -140,7 +153,7 @@ async def run_size(seg_kib: int, batch_bytes: int, reps: int, seed: int, threads
                 r = off.open(f"l{tag}-{i}", p)
                 assert await r.lookup() == prompt_len
                 reqs.append(r)
-            pick = [rng.sample(range(num_blocks), REQUEST_BLOCKS) for _ in reqs]
+            pick = [rng.sample(range(num_blocks), request_blocks) for _ in reqs]
             t0 = time.perf_counter()
             pending = [r.load(b) for r, b in zip(reqs, pick, strict=True)]
             for p in pending:
@@ -163,6 +176,8 @@ async def run_size(seg_kib: int, batch_bytes: int, reps: int, seed: int, threads
             samples["store"].append(secs)
             loop_us_per_block.append(cpu / batch_blocks * 1e6)
             samples["load"].append(await load(rep, prompts))
+            samples["torch_null"].append(base.torch_copy())
+            samples["numpy_null"].append(base.numpy_copy())
             gc.collect()
         stats = off.stats()
         assert stats.store_errors == 0
@@ -171,11 +186,14 @@ async def run_size(seg_kib: int, batch_bytes: int, reps: int, seed: int, threads
 
     gbps = {k: [nbytes / s / 1e9 for s in v] for k, v in samples.items()}
     best = [max(a, b) for a, b in zip(gbps["torch"], gbps["numpy"], strict=True)]
+    again = [max(a, b) for a, b in zip(gbps["torch_null"], gbps["numpy_null"], strict=True)]
     ratios = {k: [x / b for x, b in zip(gbps[k], best, strict=True)] for k in ("store", "load")}
+    ratios["null"] = [x / b for x, b in zip(again, best, strict=True)]
     return {
         "segment_kib": seg_kib,
         "slot_bytes": slot_bytes,
         "requests": requests,
+        "request_blocks": request_blocks,
         "batch_blocks": batch_blocks,
         "batch_bytes": nbytes,
         "copy_threads": executor.copy_threads,
@@ -189,7 +207,11 @@ async def run_size(seg_kib: int, batch_bytes: int, reps: int, seed: int, threads
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     for seg_kib in args.sizes:
-        out.append(await run_size(seg_kib, args.batch_mib * common.MiB, args.reps, args.seed, args.threads))
+        out.append(
+            await run_size(
+                seg_kib, args.batch_mib * common.MiB, args.reps, args.seed, args.threads, args.request_blocks
+            )
+        )
         gc.collect()
     return out
 
@@ -202,7 +224,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=SEGMENT_KIB, help="KiB per block per tensor")
     parser.add_argument("--batch-mib", type=int, default=512, help="bytes copied per measurement")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument(
+        "--request-blocks", type=int, default=REQUEST_BLOCKS, help="blocks per request (stores and loads)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads of the baseline"
@@ -222,6 +247,7 @@ def main() -> None:
             r["gbps"]["load"]["median"],
             _range(r["ratio"]["store"]),
             _range(r["ratio"]["load"]),
+            _range(r["ratio"]["null"]),
             r["loop_us_per_block"]["median"],
         ]
         for r in results
@@ -229,7 +255,8 @@ def main() -> None:
     worst = min(min(r["ratio"]["store"]["median"], r["ratio"]["load"]["median"]) for r in results)
     common.print_table(
         f"bench_copy: stores and loads through the Offloader vs the best contiguous copy ({args.batch_mib} MiB,"
-        f" {args.reps} reps, copy_threads={results[0]['copy_threads']}, torch threads={args.threads})",
+        f" {args.request_blocks} blocks per request, {args.reps} reps, copy_threads={results[0]['copy_threads']},"
+        f" torch threads={args.threads})",
         [
             "segment",
             "torch GB/s",
@@ -238,10 +265,12 @@ def main() -> None:
             "load GB/s",
             "store ratio [range]",
             "load ratio [range]",
+            "null ratio [range]",
             "loop µs/block",
         ],
         rows,
-        note=f"ratio = aiokv / max(torch, numpy) per rep; target >= {TARGET}; worst median {worst:.2f} "
+        note=f"ratio = aiokv / max(torch, numpy) per rep; null = the same contiguous copies measured again after"
+        f" the load / the first ones (the machine's own spread); target >= {TARGET}; worst median {worst:.2f} "
         f"({'met' if worst >= TARGET else 'MISSED'})",
     )
     path = common.write_result(
@@ -254,7 +283,7 @@ def main() -> None:
                 "dtype": "float16",
                 "batch_mib": args.batch_mib,
                 "reps": args.reps,
-                "request_blocks": REQUEST_BLOCKS,
+                "request_blocks": args.request_blocks,
                 "baseline_torch_threads": args.threads,
                 "quick": args.quick,
             },

@@ -161,12 +161,44 @@ typedef struct {
 
 static PyObject *empty_tuple = NULL;
 
+/* The parameter names of step(self, num_computed_tokens, new_token_ids=(), new_block_ids=()), interned by
+ * the module's init; a keyword is matched by identity first (the compiler interns the names in a call), then
+ * by value. */
+static PyObject *param_names[3];
+
+static inline int param_index(PyObject *name) {
+    for (int i = 0; i < 3; i++)
+        if (name == param_names[i]) return i;
+    for (int i = 0; i < 3; i++)
+        if (PyUnicode_CheckExact(name) && PyUnicode_Compare(name, param_names[i]) == 0) return i;
+    if (PyErr_Occurred()) PyErr_Clear();
+    return -1;
+}
+
 static PyObject *step_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (kwnames == NULL && nargs >= 2 && nargs <= 4 && request_type != NULL && Py_IS_TYPE(args[0], request_type)) {
-        int r = fast_step(args[0], args[1], nargs > 2 ? args[2] : empty_tuple, nargs > 3 ? args[3] : empty_tuple);
-        if (r > 0) Py_RETURN_NONE;
-        if (r < 0) return NULL;
+    if (request_type != NULL && nargs >= 1 && nargs <= 4 && Py_IS_TYPE(args[0], request_type)) {
+        /* Every documented convention: positional, keywords, or both. A keyword the method does not know, or
+         * one given twice (by position and by name), goes to the Python method, which raises the TypeError. */
+        PyObject *given[3] = {NULL, NULL, NULL};
+        int ok = 1;
+        for (Py_ssize_t i = 1; i < nargs; i++) given[i - 1] = args[i];
+        if (kwnames != NULL) {
+            Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+            for (Py_ssize_t k = 0; k < nk && ok; k++) {
+                int at = param_index(PyTuple_GET_ITEM(kwnames, k));
+                if (at < 0 || given[at] != NULL)
+                    ok = 0;
+                else
+                    given[at] = args[nargs + k];
+            }
+        }
+        if (ok && given[0] != NULL) {
+            int r = fast_step(args[0], given[0], given[1] != NULL ? given[1] : empty_tuple,
+                              given[2] != NULL ? given[2] : empty_tuple);
+            if (r > 0) Py_RETURN_NONE;
+            if (r < 0) return NULL;
+        }
     }
     return PyObject_Vectorcall(((StepMethod *)self)->func, args, nargsf, kwnames);
 }
@@ -351,6 +383,9 @@ PyMODINIT_FUNC PyInit__step(void) {
     empty_tuple = PyTuple_New(0);
     store_hook = PyUnicode_InternFromString("_step_store");
     if (empty_tuple == NULL || store_hook == NULL) return NULL;
+    static const char *const params[3] = {"num_computed_tokens", "new_token_ids", "new_block_ids"};
+    for (int i = 0; i < 3; i++)
+        if ((param_names[i] = PyUnicode_InternFromString(params[i])) == NULL) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
     Py_INCREF(&StepMethod_Type);

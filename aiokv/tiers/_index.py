@@ -306,6 +306,80 @@ class BlockIndex:
             self._tenant_used[tenant] = self._tenant_used.get(tenant, 0) + 1
         return slot
 
+    def reserve_run(
+        self,
+        chain: Sequence[bytes],
+        start: int,
+        end: int,
+        tenant: bytes | None = None,
+        priority: int = 0,
+    ) -> tuple[list[int], list[int], int]:
+        """:meth:`reserve` for the blocks ``start..end-1`` of one request's chain (``chain[i]``, parent
+        ``chain[i - 1]`` (none for block 0), depth ``i``), in order: the store path's one loop.
+
+        Returns ``(positions, slots, present)``: the positions reserved and their slots, and how many keys were
+        present already (touched as by :meth:`reserve`); the remaining positions found no room."""
+        positions: list[int] = []
+        slots_out: list[int] = []
+        present = 0
+        slots = self._slots
+        if tenant is not None and (self._quota is not None or self._tenant_of is not None):
+            for i in range(start, end):  # quotas and tenant accounting: reserve() decides each block
+                key = chain[i]
+                if key in slots:
+                    present += 1
+                slot = self.reserve(key, chain[i - 1] if i else None, i, tenant, priority)
+                if slot is not None:
+                    positions.append(i)
+                    slots_out.append(slot)
+            return positions, slots_out, present
+        free = self._free
+        keys = self._keys
+        state = self._state
+        parents = self._parent
+        depths = self._depth
+        prios = self._prio
+        for i in range(start, end):
+            key = chain[i]
+            if key in slots:
+                present += 1
+                self.reserve(key, None, i, tenant, priority)  # the touch and priority rules of reserve()
+                continue
+            if not free and not self._evict_one():
+                self._rejected += 1
+                continue
+            slot = free.pop()
+            slots[key] = slot
+            keys[slot] = key
+            state[slot] = _PENDING
+            parents[slot] = chain[i - 1] if i else None
+            depths[slot] = i
+            prios[slot] = priority
+            positions.append(i)
+            slots_out.append(slot)
+        self._pending += len(slots_out)
+        return positions, slots_out, present
+
+    def commit_run(self, keys: Iterable[bytes]) -> None:
+        """:meth:`commit` for each of ``keys``, in order (one completed store copy's blocks)."""
+        slots = self._slots
+        state = self._state
+        parents = self._parent
+        depths = self._depth
+        prios = self._prio
+        insert = self.policy.insert
+        set_priority = self._set_priority
+        n = 0
+        for key in keys:
+            slot = slots[key]
+            assert state[slot] == _PENDING, "commit of a non-pending entry"
+            state[slot] = _READY
+            n += 1
+            insert(key, parents[slot], depths[slot])
+            if prios[slot] and set_priority is not None:
+                set_priority(key, prios[slot])
+        self._pending -= n
+
     def commit(self, key: bytes) -> None:
         """PENDING -> READY: the entry's copy completed; it becomes visible and evictable."""
         slot = self._slots[key]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import queue
+import statistics
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,11 +27,13 @@ __all__ = [
 ]
 
 try:
+    from .._native._copy import CopyJob as _CopyJob
     from .._native._copy import copy_segments as _native_copy
 
     HAVE_NATIVE = True
 except ImportError:  # pragma: no cover - exercised only without a C compiler
     _native_copy = None  # type: ignore[assignment]
+    _CopyJob = None  # type: ignore[assignment,misc]
     HAVE_NATIVE = False
 
 
@@ -52,42 +55,48 @@ SCATTER_GROUP = 1
 
 
 class GroupTuner:
-    """Chooses the interleaving of large gathers from throughput measured on the copies themselves.
+    """Chooses the interleaving of large gathers from paired measurements on the copies themselves.
 
-    A large copy (at least ``2 * sample_bytes``) may carry a trial: its first ``sample_bytes`` are copied with
-    a candidate group and the next ``sample_bytes`` with the current best, both on the calling thread, and both
-    costs feed per-group moving averages; the rest of the copy uses the best group as usual. Each candidate
-    is tried on every large copy until it has ``warmup`` samples, then on one large copy in ``explore_every``,
-    so a trial costs at most a few MiB of a copy and conditions that change are noticed. Used by one worker
-    thread only."""
+    A large copy (at least ``2 * sample_bytes``) may carry a trial: two consecutive prefixes of about
+    ``sample_bytes``, one copied with a candidate group and one with the current best (which of them goes
+    first alternates: the first starts cold), timed on the calling thread while the helpers copy the rest,
+    the conditions the choice is for. A trial yields one paired ratio, the candidate's cost per byte over the
+    best's in the same copy (pairing cancels the machine's drift between copies; a median ignores a prefix
+    that lost its core); a candidate becomes the best once the median of its last ``window`` ratios, at least
+    ``warmup`` of them, is below 1. Each candidate is tried on every large copy until it has ``warmup``
+    ratios against the current best, then on one large copy in ``explore_every``, so a trial costs a few MiB
+    of a copy and conditions that change are noticed. Used by one worker thread only."""
 
     __slots__ = (
-        "_cost",
-        "_count",
         "_explore_every",
         "_large",
+        "_ratios",
         "_warmup",
+        "_window",
         "best",
         "candidates",
         "sample_bytes",
+        "trials",
     )
 
     def __init__(
         self,
         candidates: tuple[int, ...] = GATHER_GROUPS,
         *,
-        sample_bytes: int = 2 << 20,
+        sample_bytes: int = 4 << 20,
         warmup: int = 3,
+        window: int = 5,
         explore_every: int = 16,
     ) -> None:
         self.candidates = candidates
         self.best = candidates[0]
         self.sample_bytes = sample_bytes
         self._warmup = warmup
+        self._window = max(window, warmup)
         self._explore_every = explore_every
-        self._cost: dict[int, float] = {}
-        self._count = dict.fromkeys(candidates, 0)
+        self._ratios: dict[int, list[float]] = {c: [] for c in candidates}
         self._large = 0
+        self.trials = 0  # trials handed out so far
 
     def trial(self, nbytes: int) -> int | None:
         """The candidate to try on a prefix of a copy of ``nbytes``, or None."""
@@ -96,18 +105,25 @@ class GroupTuner:
         self._large += 1
         others = [c for c in self.candidates if c != self.best]
         for c in others:
-            if self._count[c] < self._warmup:
+            if len(self._ratios[c]) < self._warmup:
+                self.trials += 1
                 return c
         if self._large % self._explore_every == 0:
+            self.trials += 1
             return others[(self._large // self._explore_every) % len(others)]
         return None
 
-    def record(self, group: int, nbytes: int, seconds: float) -> None:
-        cost = seconds / nbytes
-        prev = self._cost.get(group)
-        self._cost[group] = cost if prev is None else 0.7 * prev + 0.3 * cost
-        self._count[group] += 1
-        self.best = min(self._cost, key=self._cost.__getitem__)
+    def record(self, candidate: int, candidate_cost: float, best_cost: float) -> None:
+        """One trial's costs per byte: ``candidate`` and the current best, measured in the same copy."""
+        if candidate == self.best or best_cost <= 0:
+            return
+        ratios = self._ratios[candidate]
+        ratios.append(candidate_cost / best_cost)
+        del ratios[: -self._window]
+        if len(ratios) >= self._warmup and statistics.median(ratios) < 1.0:
+            self.best = candidate
+            for r in self._ratios.values():  # they compared against the previous best
+                r.clear()
 
 
 def copy_segments(
@@ -115,23 +131,33 @@ def copy_segments(
     src: npt.NDArray[np.int64],
     nbytes: npt.NDArray[np.int64],
     group: int = 1,
+    stream: bool | None = None,
 ) -> None:
     """memcpy every segment ``src[i] -> dst[i]`` (``nbytes[i]`` bytes), merging adjacent runs, GIL released.
 
-    ``group`` > 1 interleaves that many runs (helps when the sources are scattered)."""
+    ``group`` > 1 interleaves that many runs (helps when the sources are scattered). ``stream``: streaming
+    (non-temporal) stores, or plain memcpy; ``None`` chooses by size (streaming from 4 MiB). A piece of a
+    larger batch passes the batch's choice, so it is copied (and timed) the way the batch is."""
     if _native_copy is not None:
-        _native_copy(dst, src, nbytes, group)
+        _native_copy(dst, src, nbytes, group, 512, -1 if stream is None else int(stream))
     else:  # pragma: no cover
         _python_copy(dst, src, nbytes)
 
 
 class CopyPool:
-    """Splits one large segment copy over ``threads`` threads (the caller's and ``threads - 1`` helpers).
+    """Shares one large segment copy among ``threads`` threads (the caller's and ``threads - 1`` helpers).
 
-    Parts are cut at segment boundaries, of about equal bytes; batches under :attr:`MIN_SPLIT_BYTES` are
-    copied by the caller alone (waking a helper costs more than it saves)."""
+    The copy is cut at segment boundaries into parts of about :attr:`PART_BYTES` (a native ``CopyJob``); every
+    thread takes the next part from a shared counter until none is left, so a helper that wakes late (a few
+    ms on a busy or virtual machine) or runs slower (sharing its core) copies fewer parts instead of holding
+    the whole copy back, and the caller never waits for a helper that has not started: it copies what is left
+    itself and then waits only for parts already being copied. The plan is validated before any byte moves.
+    Batches under :attr:`MIN_SPLIT_BYTES` are copied by the caller alone (waking a helper costs more than it
+    saves), and so is every copy without the native kernel (the Python fallback holds the GIL anyway). Several
+    callers (the store and the load stream) may share the pool: each helper serves their jobs in turn."""
 
     MIN_SPLIT_BYTES = 2 << 20
+    PART_BYTES = 1 << 20
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
@@ -143,20 +169,14 @@ class CopyPool:
             t.start()
             self._queues.append(q)
             self._threads.append(t)
-        self._lock = threading.Lock()  # one split copy at a time: two streams must not interleave parts
 
     @staticmethod
     def _work(q: queue.SimpleQueue[Any]) -> None:
         while True:
-            item = q.get()
-            if item is None:
+            job = q.get()
+            if job is None:
                 return
-            args, done, errors = item
-            try:
-                copy_segments(*args)
-            except BaseException as exc:
-                errors.append(exc)
-            done.set()
+            job.run()  # never raises once built (the plan was validated); a finished job returns at once
 
     def copy(
         self,
@@ -164,38 +184,26 @@ class CopyPool:
         src: npt.NDArray[np.int64],
         nbytes: npt.NDArray[np.int64],
         group: int = 1,
+        first: Callable[[], None] | None = None,
     ) -> None:
+        """Copy the segments; ``first`` (other work of the caller, e.g. a measured prefix of the same batch)
+        runs on the caller while the helpers have already started on this copy. Returns (or raises what
+        ``first`` raised) only once every part is copied."""
         n = len(nbytes)
-        total = int(nbytes.sum()) if n else 0
-        if total < self.MIN_SPLIT_BYTES or n < 2 or not self._lock.acquire(blocking=False):
+        if _CopyJob is None or not self._queues or n < 2 or int(nbytes.sum()) < self.MIN_SPLIT_BYTES:
+            if first is not None:
+                first()
             copy_segments(dst, src, nbytes, group)
             return
+        job = _CopyJob(dst, src, nbytes, group, 512, self.PART_BYTES)
+        for q in self._queues:
+            q.put(job)
         try:
-            parts = min(self.threads, n)
-            cuts = np.searchsorted(
-                np.cumsum(nbytes), [total * k // parts for k in range(1, parts)], side="right"
-            )
-            bounds = [0, *(int(c) for c in cuts), n]
-            errors: list[BaseException] = []
-            waits: list[threading.Event] = []
-            for k in range(1, parts):
-                a, b = bounds[k], bounds[k + 1]
-                if a >= b:
-                    continue
-                done = threading.Event()
-                self._queues[k - 1].put(((dst[a:b], src[a:b], nbytes[a:b], group), done, errors))
-                waits.append(done)
-            a, b = bounds[0], bounds[1]
-            try:
-                if a < b:
-                    copy_segments(dst[a:b], src[a:b], nbytes[a:b], group)
-            finally:
-                for done in waits:
-                    done.wait()
-            if errors:
-                raise errors[0]
-        finally:
-            self._lock.release()
+            if first is not None:
+                first()
+        finally:  # never return while a helper may still be copying a part
+            job.run()
+            job.wait()
 
     def close(self) -> None:
         for q in self._queues:

