@@ -181,7 +181,7 @@ async def lookup_cost(reps: int, seed: int, lookups: int = 100) -> dict[str, Any
         ids = list(range(LOOKUP_BLOCKS + 1))
         r = off.open("seed", prompt)
         await r.lookup()
-        r.step(len(prompt), [1], ids if groups == 1 else tuple(ids for _ in range(groups)))
+        r.step(len(prompt), new_token_ids=[1], new_block_ids=ids if groups == 1 else tuple(ids for _ in range(groups)))
         await r.finish()
         offs[groups] = off
     samples: dict[int, list[float]] = {g: [] for g in counts}
