@@ -161,13 +161,6 @@ def chain_hashes_from(
     return _chain_py(prev, token_ids[start : start + n_blocks * block_size], block_size, n_blocks)
 
 
-# A request's incremental chain (Request._chain): its token list holds exact ints in the int64 range (open()
-# and step() validated them), so the native hasher reads it in place, without chain_hashes_from's frame.
-_chain_in_place: Callable[[bytes, Sequence[int], int, int, int], list[bytes]] = (
-    _native_chain if _native_chain is not None else chain_hashes_from
-)
-
-
 def _chain_py(prev: bytes, token_ids: Sequence[int], block_size: int, n_full: int) -> list[bytes]:
     packer = _PACKERS.get(block_size)
     if packer is None:
@@ -179,6 +172,44 @@ def _chain_py(prev: bytes, token_ids: Sequence[int], block_size: int, n_full: in
         prev = sha(prev + pack(*token_ids[i : i + block_size])).digest()
         out.append(prev)
     return out
+
+
+def _native_agrees(native: Callable[[bytes, Sequence[int], int, int, int], list[bytes]]) -> bool:
+    """Whether ``native`` (the C chain hasher) gives hashlib's bytes on fixed vectors: block sizes 1, 16 and
+    an odd 17, offsets into the list, tokens at the int64 edges, chains longer than one block. A divergence
+    would silently split every persistent cache (no key written by one build would match the other)."""
+    edges = [0, 1, -1, 255, 256, 65535, -(1 << 31), (1 << 31) - 1, _I64_MIN, _I64_MAX, 123456789]
+    tokens = [(i * 2654435761) % (1 << 62) - (1 << 61) for i in range(200)] + edges * 3
+    seeds = [NONE_ROOT, bytes(32), hashlib.sha256(b"aiokv/selftest").digest()]
+    try:
+        for prev in seeds:
+            for bs, start, n in ((1, 0, 5), (16, 0, 12), (16, 16, 3), (17, 5, 11), (16, 200, 2)):
+                want = _chain_py(prev, tokens[start : start + bs * n], bs, n)
+                if native(prev, tokens, start, bs, n) != want:
+                    return False
+    except Exception:
+        return False
+    return True
+
+
+# Checked once at import: on any mismatch the native hasher is turned off (hashlib gives the same keys, slower),
+# with a warning, never a silent split of the cache.
+if _native_chain is not None and not _native_agrees(_native_chain):
+    import warnings
+
+    warnings.warn(
+        "aiokv: the native block hasher (aiokv/_native/_sha.c) disagrees with hashlib on its self-test; "
+        "using hashlib (same keys, slower). Please report this build.",
+        RuntimeWarning,
+        stacklevel=1,
+    )
+    _native_chain = None  # type: ignore[assignment]
+
+# A request's incremental chain (Request._chain): its token list holds exact ints in the int64 range (open()
+# and step() validated them), so the native hasher reads it in place, without chain_hashes_from's frame.
+_chain_in_place: Callable[[bytes, Sequence[int], int, int, int], list[bytes]] = (
+    _native_chain if _native_chain is not None else chain_hashes_from
+)
 
 
 def chain_seed(*, salt: object = None, extra_keys: Sequence[object] = (), root: bytes | None = None) -> bytes:

@@ -1220,7 +1220,17 @@ def _load_native_step() -> Any:
         from ._native import _step
     except ImportError:
         return None
-    _step.configure(Request, RequestState.RUNNING)
+    try:
+        _step.configure(Request, RequestState.RUNNING)
+    except (TypeError, AttributeError) as exc:
+        # The extension reads Request's slots by name: one renamed or retyped (an extension built from other
+        # sources) turns the fast path off, never `import aiokv`.
+        warnings.warn(
+            f"aiokv: the C fast path of Request.step() is off ({exc}); the Python method runs alone",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+        return None
     return _step
 
 

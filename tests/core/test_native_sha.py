@@ -310,3 +310,44 @@ def test_bad_tokens_in_block_hashes_raise_as_before(
         monkeypatch.setattr(hashing, "_native_chain", None)
     with pytest.raises(InvalidArgumentError, match=r"token_ids must be ints in the int64 range"):
         block_hashes(tokens, 4)  # type: ignore[arg-type]
+
+
+def test_the_import_time_self_test_accepts_the_built_hasher_and_refuses_a_wrong_one() -> None:
+    assert hashing._native_agrees(sha.chain_hashes)
+    assert not hashing._native_agrees(lambda prev, toks, start, bs, n: [bytes(32)] * n)
+    no_offset = lambda prev, toks, start, bs, n: hashing._chain_py(prev, toks, bs, n)  # noqa: E731
+    assert not hashing._native_agrees(no_offset)
+
+    def raises(*_args: object) -> list[bytes]:
+        raise OverflowError("cannot take int64")
+
+    assert not hashing._native_agrees(raises)
+
+
+_WRONG_NATIVE = """
+import sys, types, warnings
+fake = types.ModuleType("aiokv._native._sha")
+fake.chain_hashes = lambda prev, toks, start, bs, n: [bytes(32)] * n
+sys.modules["aiokv._native._sha"] = fake
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from aiokv import _hashing
+    import aiokv
+print(_hashing._native_chain is None, _hashing._chain_in_place is _hashing.chain_hashes_from)
+print(aiokv.block_hashes([1, 2, 3, 4], 2)[1].hex())
+print(" | ".join(str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)))
+"""
+
+
+def test_a_native_hasher_that_disagrees_is_turned_off_at_import_with_a_warning() -> None:
+    """A build whose hasher gives other bytes would silently split every persistent cache: it is refused at
+    import and hashlib gives the keys (the same as any correct build's)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _WRONG_NATIVE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    flags, key, warned = out.stdout.splitlines()
+    assert flags == "True True"
+    assert key == block_hashes([1, 2, 3, 4], 2)[1].hex()  # this process's hasher, native or not
+    assert "disagrees with hashlib" in warned

@@ -233,3 +233,26 @@ def test_the_method_keeps_the_python_methods_signature_and_documentation() -> No
     params = list(inspect.signature(step).parameters)
     assert params == ["self", "num_computed_tokens", "new_token_ids", "new_block_ids"]
     assert step.__name__ == "step"
+
+
+@needs_native
+def test_an_extension_that_cannot_read_the_requests_slots_turns_the_fast_path_off_not_the_import(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """configure() refuses a class whose slots it does not find (a renamed slot, an extension built from other
+    sources): aiokv then runs the Python method alone, with a warning."""
+    from aiokv import _request
+    from aiokv._native import _step
+
+    class Other:
+        __slots__ = ("state",)
+
+    with pytest.raises(TypeError, match="must be a __slots__ attribute"):
+        _step.configure(Other, object())
+
+    def refuse(*_args: object) -> None:
+        raise TypeError("configure(): Request._tid must be a __slots__ attribute")
+
+    monkeypatch.setattr(_step, "configure", refuse)
+    with pytest.warns(RuntimeWarning, match=r"C fast path of Request.step\(\) is off .*_tid"):
+        assert _request._load_native_step() is None
