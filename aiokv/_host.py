@@ -1,15 +1,20 @@
-"""The narrow interface a :class:`~aiokv.Request` needs from the offloader that owns it.
+"""What a :class:`~aiokv.Request` may use of the offloader that owns it, in one object with public names only.
 
-``_offloader`` imports ``_request`` (it creates requests); ``_request`` depends only on this protocol, never on
-the offloader module, so the two modules have no import cycle, and everything a request may touch on its
-owner is listed here in one place.
+``_offloader`` imports ``_request`` (it creates requests); a request holds a :class:`RequestHost`, never the
+offloader, so the two modules have no import cycle, a request cannot reach into its owner's internals, and
+everything it may touch is listed here (``tests/core/test_host.py`` checks both: no private name here, and
+none used by ``_request.py`` on its host).
+
+The offloader builds one host when it is made and fills in ``loop``, ``executor`` and ``thread`` when it
+starts (requests exist only while it runs). Operations are the offloader's bound methods stored as attributes:
+calling one costs what calling the method costs, with no forwarding frame on the per-step path.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._errors import WrongThreadError
@@ -21,73 +26,83 @@ if TYPE_CHECKING:
 __all__ = ["RequestHost"]
 
 
-class RequestHost(Protocol):
-    """What a request uses of its offloader: configuration, the loop, the data path and the counters."""
+class RequestHost:
+    """The owner of a request, as the request sees it: configuration, the loop, the data path, the counters."""
 
+    __slots__ = (
+        "block_size",
+        "counters",
+        "deferred",
+        "device",
+        "executor",
+        "flush_deferred",
+        "grouped",
+        "grouped_lookup",
+        "layout",
+        "load_blocks",
+        "load_not_submitted",
+        "load_poisoned",
+        "lookup_and_pin",
+        "loop",
+        "mark",
+        "num_blocks",
+        "pin_ready",
+        "request_ended",
+        "retain",
+        "store_blocks",
+        "store_not_submitted",
+        "store_one",
+        "store_partial_last_block",
+        "store_units",
+        "thread",
+        "unpin",
+        "wrong_thread",
+    )
+
+    # ------------------------------------------------------------------ configuration (fixed)
     layout: KVLayout
     block_size: int
+    num_blocks: int
     store_partial_last_block: bool
-    _counters: Counters
-    _device: Any
-    _num_blocks: int
-    _thread: int | None
-    _deferred: list[Any]
+    grouped: Any  # the GroupedLayout, or None
+    device: Any  # the DeviceBinding, or None
+    counters: Counters
+    # ------------------------------------------------------------------ set when the offloader starts
+    loop: asyncio.AbstractEventLoop
+    executor: TransferExecutor
+    thread: int | None
+    # Stores completed by fast-path steps of this tick, submitted together by ``flush_deferred``.
+    deferred: list[Any]
+    # ------------------------------------------------------------------ threads and ordering
+    wrong_thread: Callable[[str], WrongThreadError]
+    mark: Callable[[], Any]
+    flush_deferred: Callable[[], None]
+    # ------------------------------------------------------------------ the CPU tier's index (aiokv.store)
+    lookup_and_pin: Callable[..., Awaitable[tuple[list[bytes], list[int]]]]
+    grouped_lookup: Callable[..., Awaitable[Any]]
+    pin_ready: Callable[[Sequence[bytes]], list[int]]
+    unpin: Callable[[Sequence[bytes]], None]
+    retain: Callable[[Sequence[bytes], float], None]
+    # ------------------------------------------------------------------ copies
+    store_blocks: Callable[..., TransferFuture | None]
+    store_units: Callable[..., TransferFuture | None]
+    store_one: Callable[..., TransferFuture | None]
+    load_blocks: Callable[..., TransferFuture]
+    # ------------------------------------------------------------------ outcomes (counted and logged)
+    store_not_submitted: Callable[[str, BaseException], None]
+    load_not_submitted: Callable[[str, int, BaseException], None]
+    load_poisoned: Callable[[str, int], None]
+    request_ended: Callable[[Any], None]
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop: ...
+    def __init__(self, **members: Any) -> None:
+        missing = set(self.__slots__) - set(members) - {"loop", "executor", "thread", "deferred"}
+        unknown = set(members) - set(self.__slots__)
+        if missing or unknown:
+            raise TypeError(f"RequestHost: missing {sorted(missing)}, unknown {sorted(unknown)}")
+        self.thread = None
+        self.deferred = []
+        for name, value in members.items():
+            setattr(self, name, value)
 
-    @property
-    def executor(self) -> TransferExecutor: ...
-
-    # ---------------------------------------------------------------- threads and ordering
-    def _wrong_thread(self, what: str) -> WrongThreadError: ...
-
-    def _mark(self) -> Any: ...
-
-    def _flush_deferred(self) -> None: ...
-
-    # ---------------------------------------------------------------- the CPU tier's index
-    async def _lookup_and_pin(
-        self, keys: list[bytes], source: Any = None
-    ) -> tuple[list[bytes], list[int]]: ...
-
-    def _pin_ready(self, keys: Sequence[bytes]) -> list[int]: ...
-
-    def _unpin(self, keys: Sequence[bytes]) -> None: ...
-
-    def _retain(self, keys: Sequence[bytes], seconds: float) -> None: ...
-
-    # ---------------------------------------------------------------- copies
-    def _store_blocks(
-        self,
-        chain: list[bytes],
-        start: int,
-        end: int,
-        blocks: list[int],
-        mark: Any = None,
-        source: Any = None,
-    ) -> TransferFuture | None: ...
-
-    def _store_one(
-        self,
-        key: bytes,
-        parent: bytes | None,
-        depth: int,
-        block_id: int,
-        mark: Any = None,
-        source: Any = None,
-        num_tokens: int | None = None,
-    ) -> TransferFuture | None: ...
-
-    def _load_blocks(
-        self, keys: list[bytes], slots: list[int], block_ids: list[int], mark: Any = None
-    ) -> TransferFuture: ...
-
-    # ---------------------------------------------------------------- outcomes (counted and logged)
-    def _store_not_submitted(self, request_id: str, exc: BaseException) -> None: ...
-
-    def _load_not_submitted(self, request_id: str, num_blocks: int, exc: BaseException) -> None: ...
-
-    def _load_poisoned(self, request_id: str, num_computed_tokens: int) -> None: ...
-
-    def _request_ended(self, req: Any) -> None: ...
+    def __repr__(self) -> str:
+        return f"<RequestHost {self.layout.describe()} thread={self.thread}>"

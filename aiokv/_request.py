@@ -25,8 +25,8 @@ import os
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 from ._errors import ClosedError, InvalidArgumentError, InvalidTypeError, RequestStateError, TransferError
 from ._hashing import (
@@ -56,6 +56,45 @@ class RequestState(enum.Enum):
     FINISHING = "finishing"  # finish() called; draining stores
     FINISHED = "finished"
     ABORTED = "aborted"
+
+
+class TokenView(Sequence[int]):
+    """A read-only view of a request's token list (``Request.token_ids``): indexing, slicing (a new list),
+    ``len``, iteration and comparison with lists and tuples; no way to change the request's tokens."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self._tokens[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tokens)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenView):
+            return self._tokens == other._tokens
+        if isinstance(other, list):
+            return self._tokens == other
+        if isinstance(other, tuple):
+            return tuple(self._tokens) == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TokenView({self._tokens!r})"
 
 
 _EMPTY: list[int] = []
@@ -214,12 +253,14 @@ class Request:
         "_quiet",
         "_quiet_waiters",
         "_retain_s",
+        "_state",
         "_store_cap",
         "_stored_upto",
         "_task",
         "_task_ended",
         "_tenant",
         "_tid",
+        "_token_ids",
         "_waiter",
         "extra_keys",
         "max_load_tokens",
@@ -228,9 +269,7 @@ class Request:
         "priority",
         "request_id",
         "salt",
-        "state",
         "store_decode",
-        "token_ids",
     )
 
     def __init__(
@@ -251,12 +290,12 @@ class Request:
         self._off = off
         # The owner's loop thread and layout, read by every step (here, and by the C fast path in
         # aiokv/_native/_step.c): fixed once the offloader runs, which open() requires.
-        self._tid = off._thread
+        self._tid = off.thread
         self._bs = off.block_size
-        self._nblk = off._num_blocks
+        self._nblk = off.num_blocks
         # A grouped layout (KVLayout.from_groups): block ids are rows (one id per group), stores and lookups
         # go through the offloader's unit paths, and the step fast path (one id per block) never applies.
-        self._grouped = getattr(off, "_grouped", None) is not None
+        self._grouped = off.grouped is not None
         if self._grouped:
             self._nblk = -1  # no id passes the fast paths' range check: per-group ids go to the checked path
         self._prompt_blocks = len(token_ids) // off.block_size
@@ -264,7 +303,7 @@ class Request:
         self._retain_s = retain_s
         self._tenant = tenant  # the CPU tier's quota key (canonical salt) when it has tenant quotas
         self.request_id = request_id
-        self.token_ids = token_ids
+        self._token_ids = token_ids
         self.salt = salt
         self.extra_keys = extra_keys
         self.max_store_tokens = max_store_tokens
@@ -277,7 +316,7 @@ class Request:
             store_cap = min(store_cap, len(token_ids))
         self._store_cap = store_cap
         self._load_cap = _NO_CAP if max_load_tokens is None else max_load_tokens
-        self.state = RequestState.WAITING
+        self._state = RequestState.WAITING
         self.num_computed_tokens = 0
         self._blocks: list[int] = []
         self._block_set: set[int] = set()  # membership for new_block_ids validation, O(1) per id
@@ -313,7 +352,7 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+        return self._state in (RequestState.FINISHED, RequestState.ABORTED)
 
     def lookup(self) -> _Completion:
         """Find the longest cached prefix of the request's known tokens; resolves to a token count.
@@ -326,9 +365,9 @@ class Request:
         without load, or the end of the request.
         """
         self._check_call("lookup")
-        if self.state not in _ADMITTING:
+        if self._state not in _ADMITTING:
             raise RequestStateError(
-                f"lookup() needs a request holding no blocks (waiting or preempted), request {self.request_id!r} is {self.state.value}"
+                f"lookup() needs a request holding no blocks (waiting or preempted), request {self.request_id!r} is {self._state.value}"
             )
         self._hit_blocks = None  # load() waits for this lookup's result
         return self._post(_Ev.LOOKUP, self._epoch)
@@ -353,9 +392,9 @@ class Request:
         must still ``abort()``/``preempt()`` before reusing them.
         """
         self._check_call("load")
-        if self.state not in _ADMITTING or self._blocks:
+        if self._state not in _ADMITTING or self._blocks:
             raise RequestStateError(
-                f"load() needs a request holding no blocks, request {self.request_id!r} is {self.state.value}"
+                f"load() needs a request holding no blocks, request {self.request_id!r} is {self._state.value}"
             )
         if self._hit_blocks is None:
             raise RequestStateError("load() needs a completed lookup() first")
@@ -363,9 +402,7 @@ class Request:
         if (
             self._grouped
             and 0 < len(ids) < self._hit_blocks
-            and (
-                self._off._grouped.windows or self._off._grouped.state_parts  # type: ignore[attr-defined]
-            )
+            and (self._off.grouped.windows or self._off.grouped.state_parts)
         ):
             raise InvalidArgumentError(
                 f"block_ids must cover the whole hit ({self._hit_blocks} blocks) or nothing for a layout with "
@@ -384,7 +421,7 @@ class Request:
         partial = self._partial if len(ids) == self._hit_blocks else 0
         # The copy must not write the blocks before the kernels already queued on the compute stream (their
         # previous owner's) are done: take that point now, before anything changes (it may be refused).
-        mark = self._off._mark() if ids else None
+        mark = self._off.mark() if ids else None
         self._hit_blocks = None
         self._epoch += 1
         # The block table and counters change now, synchronously, so that step() right after is validated
@@ -399,7 +436,7 @@ class Request:
         else:
             self.num_computed_tokens = len(ids) * bs
             self._stored_upto = len(ids)
-        self.state = RequestState.LOADING if ids else self.state
+        self._state = RequestState.LOADING if ids else self._state
         fut: asyncio.Future[Any] = self._off.loop.create_future()
         ticket: asyncio.Future[TransferFuture | None] = self._off.loop.create_future()
         self._load_ticket = ticket
@@ -425,11 +462,11 @@ class Request:
         # every check is updated inline; anything else (numpy, tensors, int-likes, other states, any doubt)
         # goes to _apply_step_general, which decides it the usual way and raises the usual errors.
         if _get_ident() != self._tid:
-            raise self._off._wrong_thread("step")
+            raise self._off.wrong_thread("step")
         n, toks, ids = num_computed_tokens, new_token_ids, new_block_ids
         tk, ik = type(toks), type(ids)
         if (
-            self.state is not _RUNNING
+            self._state is not _RUNNING
             or self._abort_requested
             or self._hit_blocks is not None
             or type(n) is not int
@@ -446,7 +483,7 @@ class Request:
         elif nt and not all(type(t) is int and _I64_MIN <= t <= _I64_MAX for t in toks):
             return self._apply_step_general(n, toks, ids)
         bs = self._bs
-        token_ids = self.token_ids
+        token_ids = self._token_ids
         blocks = self._blocks
         if ids:
             held = self._block_set
@@ -546,7 +583,7 @@ class Request:
         self._check_call("append_tokens")
         toks = check_token_ids(token_ids, "token_ids") if len(token_ids) else _EMPTY
         if toks:
-            self.token_ids.extend(toks)
+            self._token_ids.extend(toks)
 
     def _step_store(self, upto: int, full: int) -> None:
         """A step completed blocks ``upto..full-1`` (``_stored_upto`` is already ``full``): queue their store.
@@ -555,11 +592,11 @@ class Request:
         one copy at the end of the tick (Offloader._flush_deferred); any event posted to this request first
         submits them, so the order is that of an immediate submission."""
         off = self._off
-        if off._device is not None:
+        if off.device is not None:
             # The KV of this step may still be queued on the compute stream: the store waits for this point.
-            self._queue_store((upto, full, self._blocks, off._mark(), self._epoch))
+            self._queue_store((upto, full, self._blocks, off.mark(), self._epoch))
             return
-        deferred = off._deferred
+        deferred = off.deferred
         if not deferred:
             off.executor.schedule_flush()
         deferred.append((self, upto, full, self._blocks, self._epoch))
@@ -568,7 +605,7 @@ class Request:
         """Every step the fast path did not take: validates everything before changing anything (a rejected
         step leaves the request as it was), then applies it."""
         off = self._off
-        state = self.state
+        state = self._state
         if self._abort_requested or state in _ENDED:
             raise RequestStateError(
                 f"step() after the request ended: request {self.request_id!r} is {state.value}"
@@ -597,7 +634,7 @@ class Request:
         computed = self.num_computed_tokens
         if n < computed:
             raise InvalidArgumentError(f"num_computed_tokens must not decrease, got {n} after {computed}")
-        token_ids = self.token_ids
+        token_ids = self._token_ids
         known = len(token_ids) + len(toks)
         if n > known:
             raise InvalidArgumentError(f"num_computed_tokens must be <= known tokens ({known}), got {n}")
@@ -618,7 +655,7 @@ class Request:
         full = n // bs
         stored_upto = self._stored_upto
         # The KV of this step may still be queued on the compute stream: the store waits for this point.
-        mark = off._mark() if full > stored_upto and off._device is not None else None
+        mark = off.mark() if full > stored_upto and off.device is not None else None
         self._pending = pending
         if ids:
             blocks.extend(ids)
@@ -631,7 +668,7 @@ class Request:
             self._post_nowait(_Ev.LOAD, (_EMPTY, None, None, 0, self._epoch))
         self.num_computed_tokens = n
         if state is not RequestState.RUNNING and state is not RequestState.LOADING:
-            self.state = RequestState.RUNNING
+            self._state = RequestState.RUNNING
             self._epoch += 1  # admission is over: a lookup still in flight no longer applies
         if full > stored_upto:
             self._stored_upto = full
@@ -659,7 +696,7 @@ class Request:
         awaited warns (``RuntimeWarning``)."""
         self._check_call("finish")
         tail = self._partial_tail()
-        self.state = RequestState.FINISHING
+        self._state = RequestState.FINISHING
         return _ReleaseCompletion(self._post_future(_Ev.FINISH, tail), self._what("finish"))
 
     def preempt(self) -> _Completion:
@@ -675,7 +712,7 @@ class Request:
         self._stored_upto = 0
         self._hit_blocks = None
         self._epoch += 1
-        self.state = RequestState.PREEMPTED
+        self._state = RequestState.PREEMPTED
         return _ReleaseCompletion(self._post_future(_Ev.PREEMPT, tail), self._what("preempt"))
 
     def abort(self) -> _Completion:
@@ -684,13 +721,24 @@ class Request:
         copies are done) for a request that already ended or whose task was cancelled. Await it: one that is
         never awaited warns (``RuntimeWarning``)."""
         off = self._off
-        if _get_ident() != off._thread:
-            raise off._wrong_thread("abort")
+        if _get_ident() != off.thread:
+            raise off.wrong_thread("abort")
         return _ReleaseCompletion(self._abort_future(), self._what("abort"))
+
+    @property
+    def state(self) -> RequestState:
+        """The lifecycle state (read-only: the request's own events change it)."""
+        return self._state
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """Every token so far: the prompt, then each step's new tokens. A read-only view (steps extend it);
+        ``list(req.token_ids)`` copies it."""
+        return TokenView(self._token_ids)
 
     def __repr__(self) -> str:
         return (
-            f"<Request {self.request_id!r} {self.state.name} tokens={len(self.token_ids)} "
+            f"<Request {self.request_id!r} {self._state.name} tokens={len(self._token_ids)} "
             f"computed={self.num_computed_tokens} blocks={len(self._blocks)} in_flight={len(self._in_flight)}>"
         )
 
@@ -701,7 +749,7 @@ class Request:
     def _abort_future(self) -> asyncio.Future[Any]:
         """abort() without the awaitable wrapper (the offloader's close uses it; nothing warns)."""
         fut: asyncio.Future[Any] = self._off.loop.create_future()
-        if self._abort_requested or self.state in _ENDED:
+        if self._abort_requested or self._state in _ENDED:
             # Already ending: resolve once the task is done and its copies are complete.
             if self._quiet:
                 fut.set_result(None)
@@ -716,7 +764,7 @@ class Request:
         """A step computing past the restored tokens of a load in flight: only once the engine can have
         ordered its forward after the copy (device: submitted; cpu: never before the load resolved)."""
         ticket = self._load_ticket
-        if self._off._device is not None and ticket is not None and ticket.done():
+        if self._off.device is not None and ticket is not None and ticket.done():
             return
         raise RequestStateError(
             f"num_computed_tokens must be <= {self.num_computed_tokens} (the tokens restored by the load in "
@@ -739,16 +787,16 @@ class Request:
         full, k = divmod(self.num_computed_tokens, bs)
         if k == 0 or full >= len(self._blocks):
             return None
-        return full, self._blocks[full], k, self._off._mark(), self._epoch
+        return full, self._blocks[full], k, self._off.mark(), self._epoch
 
     def _check_call(self, what: str) -> None:
         off = self._off
-        if _get_ident() != off._thread:
-            raise off._wrong_thread(what)
-        if self.state in _ENDED or self._abort_requested:
+        if _get_ident() != off.thread:
+            raise off.wrong_thread(what)
+        if self._state in _ENDED or self._abort_requested:
             raise RequestStateError(
                 f"{what}() after the request ended: request {self.request_id!r} is "
-                f"{'aborting' if self._abort_requested and self.state not in _ENDED else self.state.value}"
+                f"{'aborting' if self._abort_requested and self._state not in _ENDED else self._state.value}"
             )
 
     def _post(self, kind: _Ev, payload: Any) -> _Completion:
@@ -761,13 +809,13 @@ class Request:
 
     def _post_nowait(self, kind: _Ev, payload: Any, fut: asyncio.Future[Any] | None = None) -> None:
         off = self._off
-        if off._deferred:
+        if off.deferred:
             # Stores that earlier steps completed go first. Nothing may keep this event from being posted
             # (an abort or finish that never resolves would hold the engine's blocks forever).
             try:
-                off._flush_deferred()
+                off.flush_deferred()
             except Exception as exc:
-                off._store_not_submitted(self.request_id, exc)
+                off.store_not_submitted(self.request_id, exc)
         self._events.append((kind, payload, fut))
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -793,9 +841,9 @@ class Request:
             # Token ids were validated by open() and step(): the unchecked hot path is safe here.
             prev = hashes[-1] if hashes else self._parent(0)
             try:
-                new = _chain_in_place(prev, self.token_ids, have * bs, bs, n_blocks - have)
+                new = _chain_in_place(prev, self._token_ids, have * bs, bs, n_blocks - have)
             except (TypeError, OverflowError):  # not exact ints after all: the hashlib path decides
-                new = chain_hashes_from(prev, self.token_ids, have * bs, bs, n_blocks - have)
+                new = chain_hashes_from(prev, self._token_ids, have * bs, bs, n_blocks - have)
             hashes.extend(new)
         return hashes
 
@@ -838,11 +886,13 @@ class Request:
                         if kind is _Ev.FINISH and self._retain_s is not None:
                             kept = self._hashes[: self._stored_upto]
                             if self._grouped:  # every unit the final boundary's hit needs
-                                kept = self._off._grouped.retain_keys(kept)  # type: ignore[attr-defined]
-                            self._off._retain(kept, self._retain_s)
+                                kept = self._off.grouped.retain_keys(kept)
+                            self._off.retain(kept, self._retain_s)
                         result = None
                         if kind is not _Ev.PREEMPT:
-                            self.state = RequestState.FINISHED if kind is _Ev.FINISH else RequestState.ABORTED
+                            self._state = (
+                                RequestState.FINISHED if kind is _Ev.FINISH else RequestState.ABORTED
+                            )
                 except Exception as exc:
                     current = None
                     if fut is not None and not fut.done():
@@ -851,7 +901,7 @@ class Request:
                 current = None
                 if fut is not None and not fut.done():
                     fut.set_result(result)
-                if self.state in (RequestState.FINISHED, RequestState.ABORTED):
+                if self._state in (RequestState.FINISHED, RequestState.ABORTED):
                     return
         finally:
             self._waiter = None
@@ -865,8 +915,8 @@ class Request:
         left = [current] if current is not None else []
         left.extend(self._events)
         self._events.clear()
-        if self.state not in (RequestState.FINISHED, RequestState.ABORTED):
-            self.state = RequestState.ABORTED
+        if self._state not in (RequestState.FINISHED, RequestState.ABORTED):
+            self._state = RequestState.ABORTED
             self._abort_requested = True
             self._hit_blocks = None
             self._unpin()
@@ -884,7 +934,7 @@ class Request:
                 resolve(w, None)
 
         self._when_copies_done(settle)
-        self._off._request_ended(self)
+        self._off.request_ended(self)
 
     def _when_copies_done(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once every copy this request submitted is complete (now, if they all are)."""
@@ -917,8 +967,8 @@ class Request:
         self._pending = [[] for _ in self._pending]
         self.num_computed_tokens = 0
         self._stored_upto = 0
-        if self.state is RequestState.LOADING:
-            self.state = RequestState.WAITING
+        if self._state is RequestState.LOADING:
+            self._state = RequestState.WAITING
 
     def _store(self, payload: tuple[int, int, list[int], Any, int]) -> None:
         start, end, blocks, mark, epoch = payload
@@ -929,13 +979,13 @@ class Request:
             if start >= end:
                 return
         if epoch == self._failed_epoch:
-            self._off._counters.stores_invalidated += end - start
+            self._off.counters.stores_invalidated += end - start
             return
         # What _guarded() does, inline: this runs for every stored block of every request.
         try:
-            tf = self._off._store_blocks(self._chain(end), start, end, blocks, mark, self)
+            tf = self._off.store_blocks(self._chain(end), start, end, blocks, mark, self)
         except Exception as exc:
-            self._off._store_not_submitted(self.request_id, exc)
+            self._off.store_not_submitted(self.request_id, exc)
             return
         if tf is not None:
             self._track(tf)
@@ -948,7 +998,7 @@ class Request:
         if self._abort_requested or index * self._off.block_size + k > self._store_cap:
             return
         if epoch == self._failed_epoch:
-            self._off._counters.stores_invalidated += 1
+            self._off.counters.stores_invalidated += 1
             return
         self._guarded(self._do_store_partial, index, block_id, k, mark)
 
@@ -964,9 +1014,9 @@ class Request:
         if epoch == self._failed_epoch:
             return
         try:
-            tf = self._off._store_units(self._chain(full), 0, full, blocks, mark, self, final=True)  # type: ignore[attr-defined]
+            tf = self._off.store_units(self._chain(full), 0, full, blocks, mark, self, final=True)
         except Exception as exc:
-            self._off._store_not_submitted(self.request_id, exc)
+            self._off.store_not_submitted(self.request_id, exc)
             return
         if tf is not None:
             self._track(tf)
@@ -977,7 +1027,7 @@ class Request:
         try:
             store(*args)
         except Exception as exc:
-            self._off._store_not_submitted(self.request_id, exc)
+            self._off.store_not_submitted(self.request_id, exc)
 
     def _track(self, tf: TransferFuture) -> None:
         in_flight = self._in_flight
@@ -995,7 +1045,7 @@ class Request:
 
     def _unpin(self) -> None:
         if self._pinned:
-            self._off._unpin(self._pinned)
+            self._off.unpin(self._pinned)
             self._pinned = []
             self._pinned_slots = []
             self._pinned_plan = []
@@ -1007,8 +1057,8 @@ class Request:
 
     def _do_store_partial(self, index: int, block_id: int, k: int, mark: Any) -> None:
         bs = self._off.block_size
-        key = partial_block_hash(self._parent(index), self.token_ids[index * bs : index * bs + k])
-        tf = self._off._store_one(key, self._parent(index), index, block_id, mark, self, k)
+        key = partial_block_hash(self._parent(index), self._token_ids[index * bs : index * bs + k])
+        tf = self._off.store_one(key, self._parent(index), index, block_id, mark, self, k)
         if tf is not None:
             self._track(tf)
 
@@ -1016,31 +1066,31 @@ class Request:
         self._unpin()
         off = self._off
         bs = off.block_size
-        max_blocks = max(0, (len(self.token_ids) - 1) // bs)
+        max_blocks = max(0, (len(self._token_ids) - 1) // bs)
         load_cap = self._load_cap
         if max_blocks * bs > load_cap:  # max_load_tokens
             max_blocks = load_cap // bs
         keys = self._chain(max_blocks)[:max_blocks]
         if self._grouped:
             found: tuple[int, list[bytes], list[int], list[tuple[int, int]]]
-            found = await off._grouped_lookup(keys, self)  # type: ignore[attr-defined]
+            found = await off.grouped_lookup(keys, self)
             hit, self._pinned, self._pinned_slots, self._pinned_plan = found
             self._partial = 0
-            if epoch == self._epoch and self.state in _ADMITTING:
+            if epoch == self._epoch and self._state in _ADMITTING:
                 self._hit_blocks = hit
             else:
                 self._unpin()
             return hit * bs
-        pinned, slots = await off._lookup_and_pin(keys, self)
+        pinned, slots = await off.lookup_and_pin(keys, self)
         hit = len(pinned)
         partial = 0
         if off.store_partial_last_block:
             # Longest partially filled block continuing the full hit (CPU tier only).
             start = hit * bs
             parent = self._parent(hit)
-            for k in range(min(bs - 1, len(self.token_ids) - 1 - start, load_cap - start), 0, -1):
-                key = partial_block_hash(parent, self.token_ids[start : start + k])
-                got = off._pin_ready([key])
+            for k in range(min(bs - 1, len(self._token_ids) - 1 - start, load_cap - start), 0, -1):
+                key = partial_block_hash(parent, self._token_ids[start : start + k])
+                got = off.pin_ready([key])
                 if got:
                     pinned.append(key)
                     slots.append(got[0])
@@ -1048,7 +1098,7 @@ class Request:
                     break
         self._pinned, self._pinned_slots = pinned, slots
         self._partial = partial
-        if epoch == self._epoch and self.state in _ADMITTING:
+        if epoch == self._epoch and self._state in _ADMITTING:
             self._hit_blocks = hit + (1 if partial else 0)
         else:
             # The request moved on while this lookup ran (preempted, stepped or ended): nothing will load it.
@@ -1071,8 +1121,8 @@ class Request:
             keys, slots, block_ids = self._grouped_refs(block_ids, present)
             if not keys:
                 _settle_ticket(ticket, None)
-                if self.state is RequestState.LOADING:
-                    self.state = RequestState.RUNNING
+                if self._state is RequestState.LOADING:
+                    self._state = RequestState.RUNNING
                 return restored
             present = 0
         else:
@@ -1081,30 +1131,30 @@ class Request:
             self._pinned = []
             self._pinned_slots = []
             if extra:
-                off._unpin(extra)
+                off.unpin(extra)
             assert len(keys) == n, "load() of more blocks than its lookup pinned"
         if present:
             # The engine holds these blocks' KV already: nothing is written into them.
-            off._unpin(keys[:present])
+            off.unpin(keys[:present])
             keys, slots, block_ids = keys[present:], slots[present:], block_ids[present:]
             if not keys:
                 _settle_ticket(ticket, None)
-                if self.state is RequestState.LOADING:
-                    self.state = RequestState.RUNNING
+                if self._state is RequestState.LOADING:
+                    self._state = RequestState.RUNNING
                 return restored
         # The loaded entries stay pinned until the copy reading their slots completes (done callback).
         try:
-            tf = off._load_blocks(keys, slots, block_ids, mark)
+            tf = off.load_blocks(keys, slots, block_ids, mark)
         except ClosedError as exc:  # the offloader is closed under the request: the engine must hear of it
-            off._unpin(keys)
+            off.unpin(keys)
             self._load_failed(epoch, restored)
             if ticket is not None and not ticket.done():
                 ticket.set_exception(exc)
                 ticket.exception()  # the load's own awaitable reports it; this one may never be awaited
             raise
         except Exception as exc:  # a copy that cannot be submitted is a miss
-            off._unpin(keys)
-            off._load_not_submitted(self.request_id, len(keys), exc)
+            off.unpin(keys)
+            off.load_not_submitted(self.request_id, len(keys), exc)
             self._load_failed(epoch, restored)
             _settle_ticket(ticket, None)
             return 0
@@ -1115,16 +1165,16 @@ class Request:
         if tf.exception() is not None:  # counted and logged by the offloader's completion callback
             self._load_failed(epoch, restored)
             return 0
-        if self.state is RequestState.LOADING:
-            self.state = RequestState.RUNNING
+        if self._state is RequestState.LOADING:
+            self._state = RequestState.RUNNING
         return restored
 
     def _grouped_refs(self, rows: list[Any], present: int) -> tuple[list[bytes], list[int], list[Any]]:
         """The pinned units a grouped load copies, with their ``(unit, row)`` copy refs: units of blocks the
         load covers, past the ``present`` ones, whose groups hold an engine block there. The other pins are
         released."""
-        parts = self._off._grouped.parts  # type: ignore[attr-defined]
-        unit_parts = self._off._grouped.unit_parts  # type: ignore[attr-defined]
+        parts = self._off.grouped.parts
+        unit_parts = self._off.grouped.unit_parts
         n = len(rows)
         keys: list[bytes] = []
         slots: list[int] = []
@@ -1143,22 +1193,22 @@ class Request:
             refs.append((u, row))
         self._pinned, self._pinned_slots, self._pinned_plan = [], [], []
         if drop:
-            self._off._unpin(drop)
+            self._off.unpin(drop)
         return keys, slots, refs
 
     def _load_failed(self, epoch: int, restored: int) -> None:
         """The load of generation ``epoch`` restored nothing: its blocks hold garbage. Nothing computed over
         them may be stored; if the engine has computed nothing over them yet, the request counts 0 tokens
         computed and a new generation starts (the engine, awaiting the load, recomputes from 0)."""
-        if self.state is RequestState.LOADING:
-            self.state = RequestState.RUNNING
+        if self._state is RequestState.LOADING:
+            self._state = RequestState.RUNNING
         self._failed_epoch = epoch
         if epoch != self._epoch:
             return  # preempted since: the table that held this load is gone
         if self.num_computed_tokens > restored:
             # A device engine already computed over the copy (ordered after it on the device): that KV is
             # wrong and stays unstored until the request is preempted.
-            self._off._load_poisoned(self.request_id, self.num_computed_tokens)
+            self._off.load_poisoned(self.request_id, self.num_computed_tokens)
             return
         self.num_computed_tokens = 0
         self._stored_upto = 0
@@ -1188,8 +1238,8 @@ def step_batch(off: RequestHost, updates: Iterable[StepUpdate]) -> None:
 def _step_batch_py(off: RequestHost, updates: Iterable[StepUpdate]) -> None:
     """step_batch in Python: the definition (the C path of aiokv/_native/_step.c calls it for every update it
     does not take itself, and for every batch that is not a list or tuple)."""
-    if _get_ident() != off._thread:
-        raise off._wrong_thread("step_batch")
+    if _get_ident() != off.thread:
+        raise off.wrong_thread("step_batch")
     if isinstance(updates, (str, bytes)) or not isinstance(updates, Iterable):
         raise InvalidTypeError(f"updates must be an iterable of tuples, got {type(updates).__name__}")
     for update in updates:

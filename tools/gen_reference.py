@@ -31,6 +31,7 @@ def _sig(obj: object) -> str:
 
 SUBPACKAGES = (
     ("aiokv.engine", "The reference engine: `Engine.generate`, `Engine.stream`, their results and stats."),
+    ("aiokv.store", "The store core: the CPU tier's index behind a synchronous, two-phase protocol."),
     ("aiokv.tiers", "Tiers, the block index and eviction policies."),
     ("aiokv.transfer", "The copy executor, transfer futures, device bindings and the simulated device."),
     ("aiokv.events", "KV cache events (needs the `events` extra for the ZMQ publisher)."),

@@ -33,7 +33,7 @@ enum {
 };
 
 static const char *const slot_names[S_COUNT] = {
-    "state", "_abort_requested", "_hit_blocks", "num_computed_tokens", "token_ids", "_blocks", "_block_set",
+    "_state", "_abort_requested", "_hit_blocks", "num_computed_tokens", "_token_ids", "_blocks", "_block_set",
     "_stored_upto", "_off", "_tid", "_bs", "_nblk",
 };
 
@@ -332,7 +332,7 @@ static PyObject *step_batch(PyObject *Py_UNUSED(module), PyObject *const *args, 
     if (request_type == NULL || !(PyList_CheckExact(updates) || PyTuple_CheckExact(updates)))
         return PyObject_CallFunctionObjArgs(fallback, off, updates, NULL);
     /* Called from another thread, the Python implementation raises WrongThreadError (even for no updates). */
-    PyObject *thread = PyObject_GetAttrString(off, "_thread");
+    PyObject *thread = PyObject_GetAttrString(off, "thread");
     if (thread == NULL) return NULL;
     unsigned long want = PyLong_Check(thread) ? PyLong_AsUnsignedLong(thread) : 0;
     Py_DECREF(thread);

@@ -151,6 +151,32 @@ class BlockIndex:
             n += 1
         return n
 
+    def first_not_pending(self, keys: Iterable[bytes]) -> bytes | None:
+        """The first of ``keys`` that is not a PENDING entry (absent or READY), else ``None``."""
+        slots = self._slots
+        state = self._state
+        for key in keys:
+            slot = slots.get(key)
+            if slot is None or state[slot] != _PENDING:
+                return key
+        return None
+
+    def first_not_pinned(self, keys: Iterable[bytes]) -> bytes | None:
+        """The first of ``keys`` that is absent or not pinned, else ``None``. (A key given twice must be pinned
+        twice: counted.)"""
+        slots = self._slots
+        pins = self._pins
+        seen: dict[int, int] = {}
+        for key in keys:
+            slot = slots.get(key)
+            if slot is None:
+                return key
+            n = seen.get(slot, 0) + 1
+            if pins[slot] < n:
+                return key
+            seen[slot] = n
+        return None
+
     def free_slots(self) -> int:
         return len(self._free)
 

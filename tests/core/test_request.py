@@ -407,7 +407,7 @@ async def test_a_store_that_cannot_be_submitted_never_hangs_finish(monkeypatch: 
     asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: reported.append(ctx))
     try:
         async with _offloader(eng) as off:
-            monkeypatch.setattr(off, "_store_blocks", broken)
+            monkeypatch.setattr(off._host, "store_blocks", broken)  # what its requests call
             req = off.open("r", list(range(9)))
             await req.lookup()
             blocks = await _prefill_and_decode(eng, req, list(range(9)), [1])

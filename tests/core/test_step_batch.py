@@ -112,7 +112,7 @@ def _apply(off: Offloader, how: str, ups: Sequence[tuple[Any, ...]]) -> None:
     if how == "step_batch":  # the C path of step_batch when built
         off.step_batch(ups)
     elif how == "step_batch_py":
-        _step_batch_py(off, ups)
+        _step_batch_py(off._host, ups)  # what Offloader.step_batch hands it
     else:
         for req, n, toks, ids in ups:
             if how == "step":  # the C path of step() when built
