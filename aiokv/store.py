@@ -223,10 +223,8 @@ class BlockStore:
         PENDING: invisible to lookups until :meth:`complete_store`."""
         if end is None:
             end = len(chain)
-        if not 0 <= start <= end <= len(chain):
-            raise InvalidArgumentError(
-                f"start and end must satisfy 0 <= start <= end <= {len(chain)}, got {start}, {end}"
-            )
+        _check_run(chain, start, end)
+        _check_owner(tenant, priority)
         positions, slots, present = self.index.reserve_run(chain, start, end, tenant, priority)
         self._deduplicated += present
         self._dropped += end - start - present - len(slots)
@@ -251,6 +249,16 @@ class BlockStore:
     ) -> int | None:
         """:meth:`prepare_store` for one block: its slot, or ``None`` (present: touched; or no room), counted.
         ``num_tokens`` (events): the block's tokens when it is not full."""
+        # Inline (a decode step's block comes through here): the checks of _check_owner, then its errors.
+        if (
+            type(key) is not bytes
+            or (tenant is not None and type(tenant) is not bytes)
+            or type(priority) is not int
+            or not -128 <= priority <= 127
+        ):
+            if type(key) is not bytes:
+                raise InvalidTypeError(f"key must be bytes (a block hash), got {type(key).__name__}")
+            _check_owner(tenant, priority)
         slot = self.index.reserve(key, parent, depth, tenant, priority)
         meta = self._meta
         if meta is not None:
@@ -279,10 +287,8 @@ class BlockStore:
         """Reserve slots for blocks ``start..end-1`` of ``chain`` about to be read from another tier (staging):
         the leading run that can be reserved (it stops at the first block present or without room). Not a
         store decision, so not counted. Returns the keys and slots; complete with :meth:`complete_fill`."""
-        if not 0 <= start <= end <= len(chain):
-            raise InvalidArgumentError(
-                f"start and end must satisfy 0 <= start <= end <= {len(chain)}, got {start}, {end}"
-            )
+        _check_run(chain, start, end)
+        _check_owner(tenant, priority)
         reserve = self.index.reserve
         meta = self._meta
         bs = self.block_size
@@ -309,7 +315,7 @@ class BlockStore:
             key = next(k for i, k in enumerate(keys) if k in keys[:i])
         if key is not None:
             raise RequestStateError(
-                f"{what}: key {key.hex()[:16]}... is not a pending reservation of this store "
+                f"{what}: key {_short(key)} is not a pending reservation of this store "
                 f"({'absent' if index.state(key) is None else 'already ready'}); nothing was changed"
             )
 
@@ -355,18 +361,27 @@ class BlockStore:
         self._discarded += n
 
     def discard(self, keys: Iterable[bytes]) -> int:
-        """Remove unpinned ``keys`` (found corrupt elsewhere, or reservations whose copy never ran); returns
-        how many were present."""
+        """Remove READY, unpinned ``keys`` (e.g. found corrupt elsewhere); returns how many were present. A
+        pending reservation is ended by :meth:`complete_store` (``success=False``) instead: only its owner
+        knows that no copy still writes its slot. Refused whole (nothing removed) if any key is pinned or
+        pending."""
         index = self.index
-        meta = self._meta
+        keys = list(keys)
+        for key in keys:
+            state = index.state(key)
+            if state is EntryState.PENDING:
+                raise RequestStateError(
+                    f"discard: key {_short(key)} is a pending reservation (end it with complete_store(keys, "
+                    "success=False)); nothing was removed"
+                )
+            if state is not None and index.pins(key):
+                raise RequestStateError(
+                    f"discard: key {_short(key)} is pinned by a load; nothing was removed"
+                )
         n = 0
         for key in keys:
-            if index.pins(key):
-                raise RequestStateError(f"discard: key {key.hex()[:16]}... is pinned by a load")
             if index.discard(key):
                 n += 1
-            if meta is not None:
-                meta.pop(key, None)
         return n
 
     # ---------------------------------------------------------------- loads
@@ -381,7 +396,7 @@ class BlockStore:
         key = index.first_not_pinned(keys)
         if key is not None:
             raise RequestStateError(
-                f"complete_load: key {key.hex()[:16]}... is not pinned by a load; nothing was changed"
+                f"complete_load: key {_short(key)} is not pinned by a load; nothing was changed"
             )
         index.unpin(keys)
 
@@ -390,7 +405,7 @@ class BlockStore:
         try:
             return self.index.pin(key)
         except KeyError:
-            raise RequestStateError(f"pin: key {key.hex()[:16]}... is not ready in this store") from None
+            raise RequestStateError(f"pin: key {_short(key)} is not ready in this store") from None
 
     def slot(self, key: bytes) -> int:
         """The CPU slot of a present ``key`` (``KeyError`` if absent)."""
@@ -423,3 +438,32 @@ class BlockStore:
 
     def __repr__(self) -> str:
         return f"<BlockStore {len(self.index)}/{self.index.num_slots} slots, block_size={self.block_size}>"
+
+
+def _short(key: object) -> str:
+    return f"{key.hex()[:16]}..." if isinstance(key, bytes) else repr(key)
+
+
+def _check_run(chain: Sequence[bytes], start: int, end: int) -> None:
+    """``start..end`` must be a range of ``chain`` whose keys are bytes (block hashes)."""
+    for name, value in (("start", start), ("end", end)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= start <= end <= len(chain):
+        raise InvalidArgumentError(
+            f"start and end must satisfy 0 <= start <= end <= {len(chain)}, got {start}, {end}"
+        )
+    for i in range(start, end):
+        if type(chain[i]) is not bytes:
+            raise InvalidTypeError(f"chain[{i}] must be bytes (a block hash), got {type(chain[i]).__name__}")
+
+
+def _check_owner(tenant: object, priority: object) -> None:
+    """A reservation's tenant (``bytes`` or ``None``) and priority (an int in -128..127, what the index keeps
+    per slot): checked before the index changes, so a bad value never leaves a half-made entry."""
+    if tenant is not None and type(tenant) is not bytes:
+        raise InvalidTypeError(f"tenant must be bytes or None, got {type(tenant).__name__}")
+    if type(priority) is not int:
+        raise InvalidTypeError(f"priority must be an int, got {type(priority).__name__}")
+    if not -128 <= priority <= 127:
+        raise InvalidArgumentError(f"priority must be in [-128, 127], got {priority}")

@@ -46,14 +46,19 @@ def test_a_store_is_invisible_until_completed() -> None:
 def test_present_blocks_are_deduplicated_and_full_stores_drop() -> None:
     s = BlockStore(4, block_size=16)
     keys = chain(6)
-    first = s.prepare_store(keys, 0, 2)
-    s.complete_store(first.keys)
-    plan = s.prepare_store(keys)  # 2 present, 2 free slots, 2 evictions possible? the present ones are READY
+    s.complete_store(s.prepare_store(keys, 0, 2).keys)
+    # Keys 0, 1 are READY (touched, deduplicated); 2, 3 take the two free slots and stay PENDING; 4 and 5
+    # evict the two READY keys (nothing else is evictable); nothing is dropped.
+    plan = s.prepare_store(keys)
     assert plan.deduplicated == 2
-    # Four slots: two hold keys 0, 1 (READY, evictable), two free. Keys 2..5 take the free ones, then evict.
-    assert plan.dropped == 6 - 2 - len(plan.keys)
-    assert s.stats().deduplicated == 2
-    assert s.stats().dropped == plan.dropped
+    assert plan.keys == keys[2:]
+    assert plan.dropped == 0
+    # Now every slot is PENDING: a further store finds no room.
+    more = s.prepare_store(chain(3, tag=9))
+    assert more.keys == []
+    assert more.dropped == 3
+    st_ = s.stats()
+    assert (st_.deduplicated, st_.dropped, st_.evictions) == (2, 3, 2)
 
 
 def test_pending_and_pinned_blocks_are_never_evicted() -> None:
@@ -113,8 +118,47 @@ def test_load_pins_until_completed_and_misuse_is_an_error() -> None:
     s.complete_load(keys)
     with pytest.raises(RequestStateError, match="not pinned"):
         s.complete_load(keys[:1])
+    s.prepare_load(keys[:1])
     with pytest.raises(RequestStateError, match="is pinned"):
-        s.prepare_load(keys[:1]) and s.discard(keys[:1])
+        s.discard([keys[1], keys[0]])  # refused whole: keys[1] (unpinned) stays too
+    assert keys[1] in s
+    s.complete_load(keys[:1])
+    assert s.discard([keys[1], b"absent"]) == 1
+    assert keys[1] not in s
+
+
+def test_discard_refuses_pending_reservations() -> None:
+    """A pending key's copy may still write its slot: only complete_store(success=False) may end it."""
+    s = BlockStore(4, block_size=16)
+    plan = s.prepare_store(chain(2))
+    with pytest.raises(RequestStateError, match="pending reservation"):
+        s.discard(plan.keys)
+    assert all(s.state(k) is EntryState.PENDING for k in plan.keys)
+    assert s.stats().free_slots == 2
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (lambda s, c: s.prepare_store(c, priority=200), ValueError, r"priority must be in \[-128, 127\]"),
+        (lambda s, c: s.prepare_store(c, priority=1.5), TypeError, "priority must be an int"),
+        (lambda s, c: s.prepare_store(c, tenant="t"), TypeError, "tenant must be bytes or None"),
+        (lambda s, c: s.prepare_store([*c, "k"]), TypeError, r"chain\[3\] must be bytes"),
+        (lambda s, c: s.prepare_store(c, 0, True), TypeError, "end must be an int"),
+        (lambda s, c: s.prepare_store_one("k"), TypeError, "key must be bytes"),
+        (lambda s, c: s.prepare_store_one(c[0], priority=-129), ValueError, "priority must be in"),
+        (lambda s, c: s.prepare_fill(c, 0, 3, tenant=1), TypeError, "tenant must be bytes or None"),
+    ],
+)
+def test_bad_reservations_raise_before_the_index_changes(call, exc, match) -> None:  # type: ignore[no-untyped-def]
+    s = BlockStore(4, block_size=16)
+    keys = chain(3)
+    s.complete_store(s.prepare_store(keys, 0, 1).keys)
+    before = (s.stats(), s.index.free_slots(), s.lookup(keys))
+    with pytest.raises(exc, match=match):
+        call(s, keys)
+    assert (s.stats(), s.index.free_slots(), s.lookup(keys)) == before
+    s.index.check_invariants()
 
 
 def test_fill_pins_what_arrived_and_releases_the_rest() -> None:
