@@ -163,7 +163,7 @@ def _check_kv_events(kv_events: object) -> None:
 def _resolve_device(layout: KVLayout, device: DeviceBinding | None) -> DeviceBinding | None:
     if device is None:
         if layout.is_cuda:
-            from ._cuda import CudaDevice
+            from .transfer._cuda import CudaDevice
 
             return CudaDevice(layout.device)
         return None

@@ -12,7 +12,7 @@ A quantity is a number, optional spaces and a unit (docs/serving.md, "Sizes and 
   to a network engineer, bytes to many others), with an error that says what to write.
 
 Prefixes are case-insensitive (``k`` = ``K``, ``g`` = ``G``). A bandwidth may end in ``/s`` (``25GB/s``,
-``10Gbit/s``). Standard library only.
+``10Gbit/s``). :func:`format_size` writes a size back for people (``3 GiB``). Standard library only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import re
 
 from ._errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["parse_assignments", "parse_bandwidth", "parse_size"]
+__all__ = ["format_size", "parse_assignments", "parse_bandwidth", "parse_size"]
 
 _PREFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 _BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
@@ -125,3 +125,17 @@ def parse_assignments(text: str, what: str) -> list[tuple[str, str]]:
             raise InvalidArgumentError(f"{what} must name {name.strip()!r} only once, got {text!r}")
         out.append((name.strip(), value.strip()))
     return out
+
+
+def format_size(n: float | None) -> str:
+    """Binary units, three significant digits: ``format_size(3 * 2**30) == "3 GiB"``."""
+    if n is None or math.isinf(n):
+        return "inf"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover

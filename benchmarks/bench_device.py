@@ -48,7 +48,7 @@ class Device:
     def __init__(self, kind: str, *, seed: int = 0, jitter_s: float = 0.0) -> None:
         self.kind = kind
         if kind == "cuda":
-            from aiokv._cuda import CudaDevice
+            from aiokv.transfer._cuda import CudaDevice
 
             self.binding: Any = CudaDevice()
             self.compute: Any = torch.cuda.Stream()

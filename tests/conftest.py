@@ -1,20 +1,32 @@
 """Test configuration shared by the whole suite.
 
 Every async test runs twice: on the default asyncio loop and on uvloop (when installed).
+
+Hypothesis profiles, chosen by ``HYPOTHESIS_PROFILE`` (default ``dev``): ``dev`` explores new examples on every
+run (and replays failures from the local database); ``ci`` (what ``.ci/run`` selects) is derandomized, so a CI
+run draws the same examples every time and a red build is reproducible with the same command (the seeded
+random schedules of the race tests are fixed the same way); it prints the failing example's blob. Neither has
+a deadline: timings on a shared 2-core machine are not a property of the code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings
 
-from aiokv._cuda import cuda_available
+from aiokv.transfer._cuda import cuda_available
 
 torch.set_num_threads(1)
+
+settings.register_profile("dev", deadline=None)
+settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 try:
     import uvloop

@@ -1,11 +1,15 @@
 /* Batched scatter/gather memcpy for aiokv's CPU transfer path.
  *
- * copy_segments(dst_addrs, src_addrs, nbytes) copies nbytes[i] bytes from src_addrs[i] to dst_addrs[i] for
- * every i, with the GIL released. The three arguments are buffers of int64 (numpy arrays); the caller owns
- * the memory the addresses point into and keeps it alive for the duration of the call. Adjacent segments
- * (both source and destination contiguous) are merged into one memcpy.
+ * copy_segments(dst, dst_index, dst_offsets, src, src_index, src_offsets, nbytes) copies nbytes[i] bytes from
+ * byte src_offsets[i] of buffer src[src_index[i]] to byte dst_offsets[i] of buffer dst[dst_index[i]] for every
+ * i, with the GIL released. dst and src are buffer objects (a tuple of them; dst's must be writable), taken
+ * through the buffer protocol and held until the copy is done, so the memory stays alive; the index, offset
+ * and length arguments are int64 buffers (numpy arrays). No raw address crosses the interface: every
+ * (offset, length) is checked against its buffer's length before any byte moves, and a bad one is a
+ * ValueError naming the argument and the segment. Adjacent segments (both source and destination contiguous)
+ * are merged into one memcpy.
  *
- * CopyJob(dst_addrs, src_addrs, nbytes, ...) is the same copy cut into parts of about part_bytes (at segment
+ * CopyJob(dst, dst_index, dst_offsets, ...) is the same copy cut into parts of about part_bytes (at segment
  * boundaries) that any number of threads take one at a time from a shared counter (run()), so a thread that
  * starts late or runs slow simply copies fewer parts; wait() returns once every part is copied. The whole
  * plan is validated before any byte is copied.
@@ -68,10 +72,109 @@ static int get_i64(PyObject *obj, Py_buffer *view, const char *name) {
     return 0;
 }
 
-/* A validated plan: the three int64 views, the interleaving and whether to stream. */
+/* One side of a copy: the buffers it may touch (held for the plan's lifetime, so the memory stays alive and
+ * cannot be resized), which buffer each segment is in (NULL: all in buffer 0), and each segment's byte offset
+ * in it. */
 typedef struct {
-    Py_buffer dst, src, len;
-    const int64_t *d, *s, *l;
+    Py_buffer *bufs;
+    Py_ssize_t nbufs;
+    Py_buffer index, offs;
+    int have_index, have_offs;
+} side_t;
+
+static void side_release(side_t *sd) {
+    for (Py_ssize_t k = 0; k < sd->nbufs; k++) PyBuffer_Release(&sd->bufs[k]);
+    PyMem_Free(sd->bufs);
+    sd->bufs = NULL;
+    sd->nbufs = 0;
+    if (sd->have_index) PyBuffer_Release(&sd->index);
+    if (sd->have_offs) PyBuffer_Release(&sd->offs);
+    sd->have_index = sd->have_offs = 0;
+}
+
+/* name: "dst" or "src". A destination's buffers must be writable. 0, or -1 with an exception set and nothing
+ * held. */
+static int side_init(side_t *sd, const char *name, PyObject *bufs_obj, PyObject *index_obj, PyObject *offs_obj,
+                     int writable) {
+    char what[32];
+    memset(sd, 0, sizeof(*sd));
+    PyObject *seq = PyTuple_Check(bufs_obj) || PyList_Check(bufs_obj) ? PySequence_Fast(bufs_obj, name)
+                                                                      : PyTuple_Pack(1, bufs_obj);
+    if (seq == NULL) return -1;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    if (m < 1) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "%s must be a buffer or a non-empty tuple of buffers", name);
+        return -1;
+    }
+    sd->bufs = PyMem_Calloc((size_t)m, sizeof(Py_buffer));
+    if (sd->bufs == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < m; k++) {
+        PyObject *b = PySequence_Fast_GET_ITEM(seq, k);
+        /* PyBUF_SIMPLE: one contiguous run of bytes (a strided export is refused by its exporter). */
+        if (PyObject_GetBuffer(b, &sd->bufs[k], PyBUF_SIMPLE) < 0) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s[%zd] must be a contiguous buffer, got %.100s", name, k,
+                         Py_TYPE(b)->tp_name);
+            goto fail;
+        }
+        sd->nbufs = k + 1;
+        if (writable && sd->bufs[k].readonly) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd] is a read-only buffer: a copy cannot write into it", name, k);
+            goto fail;
+        }
+    }
+    Py_CLEAR(seq);
+    if (index_obj != Py_None) {
+        snprintf(what, sizeof what, "%s_index", name);
+        if (get_i64(index_obj, &sd->index, what) < 0) goto fail;
+        sd->have_index = 1;
+    } else if (m > 1) {
+        PyErr_Format(PyExc_ValueError, "%s_index is required when %s has more than one buffer", name, name);
+        goto fail;
+    }
+    snprintf(what, sizeof what, "%s_offsets", name);
+    if (get_i64(offs_obj, &sd->offs, what) < 0) goto fail;
+    sd->have_offs = 1;
+    return 0;
+fail:
+    Py_XDECREF(seq);
+    side_release(sd);
+    return -1;
+}
+
+/* Check segment i of this side (offset and length within its buffer) and return its address, or set a
+ * ValueError naming the argument and return NULL. Overflow-safe: nothing is added before it is compared. */
+static char *side_addr(const side_t *sd, const char *name, Py_ssize_t i, int64_t len) {
+    int64_t k = sd->have_index ? ((const int64_t *)sd->index.buf)[i] : 0;
+    if (k < 0 || k >= (int64_t)sd->nbufs) {
+        PyErr_Format(PyExc_ValueError, "%s_index[%zd] = %lld is not a buffer of %s (it has %zd)", name, i,
+                     (long long)k, name, sd->nbufs);
+        return NULL;
+    }
+    int64_t off = ((const int64_t *)sd->offs.buf)[i];
+    int64_t size = (int64_t)sd->bufs[k].len;
+    if (off < 0 || off > size || len > size - off) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s_offsets[%zd] = %lld with nbytes[%zd] = %lld is out of bounds of %s[%lld] (%lld bytes)", name,
+                     i, (long long)off, i, (long long)len, name, (long long)k, (long long)size);
+        return NULL;
+    }
+    return (char *)sd->bufs[k].buf + off;
+}
+
+/* A validated plan: both sides, the lengths, each segment's checked addresses, the interleaving and whether
+ * to stream. */
+typedef struct {
+    side_t dside, sside;
+    Py_buffer len;
+    char **d;
+    const char **s;
+    const int64_t *l;
     Py_ssize_t n;
     size_t total;
     int group;
@@ -80,14 +183,21 @@ typedef struct {
 } plan_t;
 
 static void plan_release(plan_t *p) {
-    PyBuffer_Release(&p->dst);
-    PyBuffer_Release(&p->src);
+    side_release(&p->dside);
+    side_release(&p->sside);
     PyBuffer_Release(&p->len);
+    PyMem_Free(p->d);
+    PyMem_Free((void *)p->s);
+    p->d = NULL;
+    p->s = NULL;
 }
 
-/* Fill *p from the Python arguments (0), or set an exception and hold nothing (-1). */
-static int plan_init(plan_t *p, PyObject *dst_obj, PyObject *src_obj, PyObject *len_obj, int group,
-                     Py_ssize_t chunk, int stream) {
+/* Fill *p from the Python arguments (0), or set an exception and hold nothing (-1). Every segment is checked
+ * against its buffers' lengths here, before any byte is copied. */
+static int plan_init(plan_t *p, PyObject *dst_obj, PyObject *dst_index, PyObject *dst_offs, PyObject *src_obj,
+                     PyObject *src_index, PyObject *src_offs, PyObject *len_obj, int group, Py_ssize_t chunk,
+                     int stream) {
+    memset(p, 0, sizeof(*p));
     if (group < 1 || group > MAX_GROUP) {
         PyErr_Format(PyExc_ValueError, "group must be in [1, %d], got %d", MAX_GROUP, group);
         return -1;
@@ -96,29 +206,50 @@ static int plan_init(plan_t *p, PyObject *dst_obj, PyObject *src_obj, PyObject *
         PyErr_Format(PyExc_ValueError, "chunk must be >= 64, got %zd", chunk);
         return -1;
     }
-    if (get_i64(dst_obj, &p->dst, "dst_addrs") < 0) return -1;
-    if (get_i64(src_obj, &p->src, "src_addrs") < 0) { PyBuffer_Release(&p->dst); return -1; }
+    if (side_init(&p->dside, "dst", dst_obj, dst_index, dst_offs, 1) < 0) return -1;
+    if (side_init(&p->sside, "src", src_obj, src_index, src_offs, 0) < 0) {
+        side_release(&p->dside);
+        return -1;
+    }
     if (get_i64(len_obj, &p->len, "nbytes") < 0) {
-        PyBuffer_Release(&p->dst); PyBuffer_Release(&p->src);
+        side_release(&p->dside);
+        side_release(&p->sside);
         return -1;
     }
-    Py_ssize_t n = p->dst.len / 8;
-    if (p->src.len / 8 != n || p->len.len / 8 != n) {
+    Py_ssize_t n = p->len.len / 8;
+    if (p->dside.offs.len / 8 != n || p->sside.offs.len / 8 != n ||
+        (p->dside.have_index && p->dside.index.len / 8 != n) ||
+        (p->sside.have_index && p->sside.index.len / 8 != n)) {
         plan_release(p);
-        PyErr_SetString(PyExc_ValueError, "dst_addrs, src_addrs and nbytes must have the same length");
+        PyErr_SetString(PyExc_ValueError,
+                        "dst_offsets, src_offsets, nbytes (and dst_index, src_index) must have the same length");
         return -1;
     }
-    p->d = (const int64_t *)p->dst.buf;
-    p->s = (const int64_t *)p->src.buf;
     p->l = (const int64_t *)p->len.buf;
+    p->d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(char *));
+    p->s = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(char *));
+    if (p->d == NULL || p->s == NULL) {
+        plan_release(p);
+        PyErr_NoMemory();
+        return -1;
+    }
     size_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (p->l[i] < 0) {
+        int64_t len = p->l[i];
+        if (len < 0) {
             plan_release(p);
-            PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0");
+            PyErr_Format(PyExc_ValueError, "nbytes[%zd] must be >= 0, got %lld", i, (long long)len);
             return -1;
         }
-        total += (size_t)p->l[i];
+        char *d = side_addr(&p->dside, "dst", i, len);
+        const char *s = d == NULL ? NULL : side_addr(&p->sside, "src", i, len);
+        if (s == NULL) {
+            plan_release(p);
+            return -1;
+        }
+        p->d[i] = d;
+        p->s[i] = s;
+        total += (size_t)len;
     }
     p->n = n;
     p->total = total;
@@ -131,7 +262,9 @@ static int plan_init(plan_t *p, PyObject *dst_obj, PyObject *src_obj, PyObject *
 
 /* Copy segments [i, end) of the plan. No GIL needed. Streaming stores are not fenced here. */
 static void copy_range(const plan_t *p, Py_ssize_t i, Py_ssize_t end) {
-    const int64_t *d = p->d, *s = p->s, *l = p->l;
+    char *const *d = p->d;
+    const char *const *s = p->s;
+    const int64_t *l = p->l;
     const int group = p->group, stream = p->stream;
     const size_t chunk = p->chunk;
     while (i < end) {
@@ -142,11 +275,11 @@ static void copy_range(const plan_t *p, Py_ssize_t i, Py_ssize_t end) {
         size_t maxrun = 0;
         while (g < group && i < end) {
             /* Merge segments that are adjacent on both sides into one run. */
-            char *dp = (char *)(intptr_t)d[i];
-            const char *sp = (const char *)(intptr_t)s[i];
+            char *dp = d[i];
+            const char *sp = s[i];
             size_t run = (size_t)l[i];
             Py_ssize_t j = i + 1;
-            while (j < end && (char *)(intptr_t)d[j] == dp + run && (const char *)(intptr_t)s[j] == sp + run) {
+            while (j < end && d[j] == dp + run && s[j] == sp + run) {
                 run += (size_t)l[j];
                 j++;
             }
@@ -174,7 +307,7 @@ static void copy_range(const plan_t *p, Py_ssize_t i, Py_ssize_t end) {
                      * group does not start with every stream cold (measured: 16 KiB gathers 0.88 -> 0.98). */
                     size_t ahead = off + 2 * chunk - runs[k];
                     if ((size_t)l[i + k] > ahead) {
-                        const char *pf = (const char *)(intptr_t)s[i + k] + ahead;
+                        const char *pf = s[i + k] + ahead;
                         for (size_t q = 0; q < chunk; q += 64) __builtin_prefetch(pf + q, 0, 0);
                     }
                 }
@@ -192,13 +325,18 @@ static void fence(const plan_t *p) {
 #endif
 }
 
-static PyObject *copy_segments(PyObject *self, PyObject *args) {
-    PyObject *dst_obj, *src_obj, *len_obj;
+static PyObject *copy_segments(PyObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"dst", "dst_index", "dst_offsets", "src", "src_index", "src_offsets", "nbytes",
+                             "group", "chunk", "stream", NULL};
+    PyObject *dst_obj, *dst_index, *dst_offs, *src_obj, *src_index, *src_offs, *len_obj;
     int group = 1, stream = -1;
     Py_ssize_t chunk = 512;
     plan_t p;
-    if (!PyArg_ParseTuple(args, "OOO|ini", &dst_obj, &src_obj, &len_obj, &group, &chunk, &stream)) return NULL;
-    if (plan_init(&p, dst_obj, src_obj, len_obj, group, chunk, stream) < 0) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|ini", kwlist, &dst_obj, &dst_index, &dst_offs, &src_obj,
+                                     &src_index, &src_offs, &len_obj, &group, &chunk, &stream))
+        return NULL;
+    if (plan_init(&p, dst_obj, dst_index, dst_offs, src_obj, src_index, src_offs, len_obj, group, chunk, stream) < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
     copy_range(&p, 0, p.n);
     fence(&p);
@@ -231,12 +369,13 @@ static void job_dealloc(CopyJobObject *self) {
 }
 
 static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"dst_addrs", "src_addrs", "nbytes", "group", "chunk", "part_bytes", NULL};
-    PyObject *dst_obj, *src_obj, *len_obj;
+    static char *kwlist[] = {"dst", "dst_index", "dst_offsets", "src", "src_index", "src_offsets", "nbytes",
+                             "group", "chunk", "part_bytes", NULL};
+    PyObject *dst_obj, *dst_index, *dst_offs, *src_obj, *src_index, *src_offs, *len_obj;
     int group = 1;
     Py_ssize_t chunk = 512, part_bytes = (Py_ssize_t)1 << 20;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|inn", kwlist, &dst_obj, &src_obj, &len_obj, &group, &chunk,
-                                     &part_bytes))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|inn", kwlist, &dst_obj, &dst_index, &dst_offs, &src_obj,
+                                     &src_index, &src_offs, &len_obj, &group, &chunk, &part_bytes))
         return NULL;
     if (part_bytes < 1) {
         PyErr_Format(PyExc_ValueError, "part_bytes must be >= 1, got %zd", part_bytes);
@@ -244,7 +383,8 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     }
     CopyJobObject *self = (CopyJobObject *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
-    if (plan_init(&self->plan, dst_obj, src_obj, len_obj, group, chunk, -1) < 0) {
+    if (plan_init(&self->plan, dst_obj, dst_index, dst_offs, src_obj, src_index, src_offs, len_obj, group, chunk,
+                  -1) < 0) {
         Py_DECREF(self);
         return NULL;
     }
@@ -335,17 +475,22 @@ static PyTypeObject CopyJobType = {
     .tp_basicsize = sizeof(CopyJobObject),
     .tp_dealloc = (destructor)job_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "CopyJob(dst_addrs, src_addrs, nbytes, group=1, chunk=512, part_bytes=1 MiB): one segment copy "
-              "in parts that any number of threads take from a shared counter.",
+    .tp_doc = "CopyJob(dst, dst_index, dst_offsets, src, src_index, src_offsets, nbytes, group=1, chunk=512, "
+              "part_bytes=1 MiB): one segment copy (checked as copy_segments checks it) in parts that any number "
+              "of threads take from a shared counter.",
     .tp_methods = job_methods,
     .tp_getset = job_getset,
     .tp_new = job_new,
 };
 
 static PyMethodDef methods[] = {
-    {"copy_segments", copy_segments, METH_VARARGS,
-     "copy_segments(dst_addrs, src_addrs, nbytes, group=1, chunk=512, stream=-1): memcpy each segment, GIL "
-     "released; stream: 1 streaming stores, 0 plain memcpy, -1 streaming for batches of 4 MiB or more."},
+    {"copy_segments", (PyCFunction)(void (*)(void))copy_segments, METH_VARARGS | METH_KEYWORDS,
+     "copy_segments(dst, dst_index, dst_offsets, src, src_index, src_offsets, nbytes, group=1, chunk=512, "
+     "stream=-1): memcpy each segment src[src_index[i]][src_offsets[i]:][:nbytes[i]] -> the same in dst, GIL "
+     "released. dst and src: a buffer or a tuple of buffers (dst writable); *_index: int64 arrays naming the "
+     "buffer of each segment, or None (all in buffer 0); *_offsets, nbytes: int64 arrays. Every segment is "
+     "checked against its buffer's length before any byte is copied (ValueError naming the argument). stream: "
+     "1 streaming stores, 0 plain memcpy, -1 streaming for batches of 4 MiB or more."},
     {NULL, NULL, 0, NULL},
 };
 

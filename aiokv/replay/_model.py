@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._errors import InvalidArgumentError, InvalidTypeError
-from .._units import parse_bandwidth, parse_size  # the one grammar of sizes and bandwidths (docs/serving.md)
+from .._units import format_size, parse_bandwidth, parse_size  # one grammar (docs/serving.md); re-exported
 
 __all__ = [
     "DEFAULT_BANDWIDTHS",
@@ -45,20 +45,6 @@ TTFT_FORMULA = (
     "(linear prefill, loads not overlapped with compute; with load_policy=decide, hits of a tier slower than "
     "recomputing, and of every tier after it, are recomputed instead)"
 )
-
-
-def format_size(n: float | None) -> str:
-    """Binary units, three significant digits: ``format_size(3 * 2**30) == "3 GiB"``."""
-    if n is None or math.isinf(n):
-        return "inf"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{int(value)} B"
-            return f"{value:.3g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # Peak dense bf16 throughput of one H100 SXM and the model-FLOPs utilisation assumed for prefill.

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import InvalidArgumentError
 from .._log import get_logger
+from .._units import format_size, parse_assignments, parse_size
 
 if TYPE_CHECKING:
     from ..engine import ModelConfig
@@ -110,8 +111,6 @@ class TierSpec:
         return RedisTier(self.url, cluster=self.kind == "redis-cluster")
 
     def describe(self) -> str:
-        from ..replay._model import format_size
-
         if self.kind == "cpu":
             return f"cpu={format_size(self.capacity_bytes or 0)}"
         if self.kind in ("disk", "shm"):
@@ -133,8 +132,6 @@ def parse_tiers(text: str) -> tuple[TierSpec, ...]:
     or ``redis-cluster=URL`` for a Redis Cluster) may follow, each kind at most once. Sizes are in bytes, in
     the grammar of :func:`aiokv.replay.parse_size` (``64GiB``, ``500MB``, plain bytes; ``64Gb`` is refused as
     ambiguous). Only the text is checked here: :func:`check_tier_paths` checks the disk tier's directory."""
-    from .._units import parse_assignments, parse_size
-
     specs: list[TierSpec] = []
     seen: set[str] = set()
     for i, (name, value) in enumerate(parse_assignments(text, "tiers")):
@@ -184,8 +181,6 @@ def check_tier_paths(specs: Sequence[TierSpec], *, create_dirs: bool, how_to_cre
     directory that does not exist yet, which is most often a typo that would start a new, empty cache
     elsewhere. ``how_to_create`` says in the error how to allow that ("pass --create-dirs").
     With ``create_dirs``, :meth:`TierSpec.build` creates the directory (and its parents) and logs it."""
-    from ..replay._model import format_size
-
     for spec in specs:
         if spec.kind != "disk" or spec.path is None:
             continue
@@ -419,7 +414,7 @@ class ServeConfig:
             if getattr(self, name) not in choices:
                 raise _refuse(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.device != "cpu":  # the default needs no torch to check
-            from .._cuda import check_device
+            from ..transfer._cuda import check_device
 
             try:
                 check_device(self.device)
@@ -429,8 +424,6 @@ class ServeConfig:
     def _check_memory(self, specs: Sequence[TierSpec]) -> None:
         """The CPU tier, and the KV pool on the CPU, must fit in this machine's memory (both are allocated at
         start: an impossible size is a bad value, not an allocator traceback)."""
-        from ..replay._model import format_size
-
         memory = _physical_memory()
         if memory is None:
             return

@@ -77,6 +77,7 @@ from ._format import (
     damaged,
     pack_header,
 )
+from ._health import Breaker
 from ._index import BlockIndex
 from ._lanes import LanePool
 from ._policies import EvictionPolicy, make_policy
@@ -521,7 +522,6 @@ class DiskTier(BackingTier):
         self._closed = False
         self._inflight: set[asyncio.Future[Any]] = set()
         self._seq = 1
-        self._health = TierHealth.UP
         self._last_error: str | None = None
         self._preallocated = False
         self._reset = False
@@ -556,9 +556,8 @@ class DiskTier(BackingTier):
         """State of the failure paths: the set-up retried while down, the layout file still to write, logs."""
         self._clock: Callable[[], float] = time.monotonic  # times the set-up retries; replaced by tests
         self._spare_index: BlockIndex | None = None  # the index to install once a retried set-up succeeds
-        self._retry_at = 0.0
-        self._retry_backoff = _REOPEN_BACKOFF_S
-        self._probing = False
+        # Down only when the set-up fails (trip), degraded by failed I/O; the lambda follows a replaced clock.
+        self._breaker = Breaker(None, _REOPEN_BACKOFF_S, _REOPEN_BACKOFF_MAX_S, lambda: self._clock())
         self._meta_pending: dict[str, Any] | None = None
         where = f"disk tier {str(self.path)!r}"
         self._log_health = Transitions(_log, where)
@@ -569,7 +568,7 @@ class DiskTier(BackingTier):
         state = "closed" if self._closed else "open" if self._opened else "new"
         entries = self.stats().entries
         shared = " shared" if self.shared else ""
-        return f"<{type(self).__name__} {str(self.path)!r} {state}{shared} health={self._health.value} entries={entries}>"
+        return f"<{type(self).__name__} {str(self.path)!r} {state}{shared} health={self._breaker.state.value} entries={entries}>"
 
     # ------------------------------------------------------------- lifecycle
     async def open(self, spec: TierSpec) -> None:
@@ -624,8 +623,9 @@ class DiskTier(BackingTier):
             self._install(fut.result(), index)
             return
         self._spare_index = index  # never used: installed as it is once a retried set-up succeeds
-        self._retry_at = self._clock() + self._retry_backoff
-        self._set_health(TierHealth.DOWN, exc)
+        before = self._breaker.state
+        self._breaker.trip()
+        self._health_changed(before, exc)
 
     def _open_sync(self, spec: TierSpec, geo: _Geometry) -> _Opened:
         """Set up the directory (worker thread; reads the configuration, changes nothing on ``self``)."""
@@ -845,10 +845,12 @@ class DiskTier(BackingTier):
                 where,
                 _describe(opened.space_error),
             )
+        breaker = self._breaker
+        before = breaker.state
+        breaker.success(probe=True)  # installed at open (up already) or by the probe of a down tier
         if opened.space_error is not None:
-            self._set_health(TierHealth.DEGRADED, opened.space_error)
-        elif self._health is not TierHealth.UP:
-            self._set_health(TierHealth.UP)
+            breaker.failure(probe=False)
+        self._health_changed(before, opened.space_error)
 
     def _read_meta(self) -> dict[str, Any] | None:
         try:
@@ -969,11 +971,11 @@ class DiskTier(BackingTier):
         return futs, cancelled
 
     # ---------------------------------------------------------------- health
-    def _set_health(self, health: TierHealth, error: BaseException | None = None) -> None:
-        """Record the health (and the error that changed it), logging transitions."""
+    def _health_changed(self, previous: TierHealth, error: BaseException | None = None) -> None:
+        """After the breaker moved: record the error that moved it and log the transition, if any."""
         if error is not None:
             self._last_error = _describe(error)
-        previous, self._health = self._health, health
+        health = self._breaker.state
         if health is previous:
             return
         where = str(self.path)
@@ -998,43 +1000,51 @@ class DiskTier(BackingTier):
                 "can be created and written, and that the filesystem has space",
                 where,
                 self._last_error,
-                self._retry_backoff,
+                self._breaker.backoff,
             )
 
     def _io_failed(self, exc: OSError) -> None:
-        self._set_health(TierHealth.DEGRADED, exc)
+        before = self._breaker.state
+        self._breaker.failure(probe=False)
+        self._health_changed(before, exc)
+
+    def _io_worked(self) -> None:
+        before = self._breaker.state
+        self._breaker.success(probe=False)  # while down (no files) nothing touches the disk: ignored then
+        self._health_changed(before)
 
     async def _retry_setup(self) -> tuple[_Files, _Geometry] | None:
         """While down: set the directory up again, at most once per backoff interval and one caller at a time.
         Returns the storage when it worked. Never raises but cancellation (delivered after the attempt)."""
-        if self._probing or self._clock() < self._retry_at:
+        breaker = self._breaker
+        if not breaker.allow():
             return None
         assert self._spec is not None
         assert self._geo is not None
         assert self._spare_index is not None
-        self._probing = True
         try:
             fut, cancelled = await _wait_thread(
                 self._submit(self._open_sync, self._spec, self._geo, write=True)
             )
-        finally:
-            self._probing = False
+        except BaseException:
+            breaker.abandoned(probe=True)
+            raise
         exc = fut.exception()
         if self._closed:  # aclose() ran meanwhile: it released what the tier held, not this
+            breaker.abandoned(probe=True)
             if exc is None:
                 fut.result().close()
         elif exc is None:
             index, self._spare_index = self._spare_index, None
             self._install(fut.result(), index)
         else:
-            self._retry_backoff = min(self._retry_backoff * 2, _REOPEN_BACKOFF_MAX_S)
-            self._retry_at = self._clock() + self._retry_backoff
+            breaker.failure(probe=True)
             self._last_error = _describe(exc)
             self._log_io.event(
                 "disk tier %r is still down: %s (next retry in %.0f s)",
                 str(self.path),
                 self._last_error,
-                self._retry_backoff,
+                breaker.backoff,
             )
         if cancelled:
             raise asyncio.CancelledError
@@ -1148,7 +1158,7 @@ class DiskTier(BackingTier):
         if done < len(keys):
             self._c["read_misses"] += 1
         if done and not failed:
-            self._set_health(TierHealth.UP)
+            self._io_worked()
         self._c["read_blocks"] += done
         self._c["read_bytes"] += done * geo.payload_bytes
         if cancelled:
@@ -1290,7 +1300,7 @@ class DiskTier(BackingTier):
             )
             self._io_failed(err)
         elif stored:
-            self._set_health(TierHealth.UP)
+            self._io_worked()
             if self._meta_pending is not None and not self._closed:
                 cancelled = await self._write_pending_meta(self._meta_pending) or cancelled
         if cancelled:
@@ -1433,7 +1443,7 @@ class DiskTier(BackingTier):
             entries, pending, pinned = index_stats.ready, index_stats.pending, index_stats.pinned
             evictions = index_stats.evictions
         return DiskTierStats(
-            health=self._health,
+            health=self._breaker.state,
             path=str(self.path),
             capacity_bytes=self.capacity_bytes,
             entry_bytes=geo.entry_bytes if geo is not None else 0,

@@ -81,6 +81,7 @@ from ._format import (
     check_header,
     pack_header,
 )
+from ._health import Breaker
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout_at as _timeout_at
@@ -132,76 +133,8 @@ class RedisTierStats:
     last_error: str | None
 
 
-class _Breaker:
-    """Health state machine (sync core): counts consecutive failures and decides when to touch the server."""
-
-    __slots__ = (
-        "_backoff0",
-        "_backoff_max",
-        "_clock",
-        "_failures_to_down",
-        "backoff",
-        "failures",
-        "probing",
-        "reconnects",
-        "retry_at",
-        "state",
-    )
-
-    def __init__(
-        self, failures_to_down: int, backoff_s: float, backoff_max_s: float, clock: Callable[[], float]
-    ) -> None:
-        self._failures_to_down = failures_to_down
-        self._backoff0 = backoff_s
-        self._backoff_max = backoff_max_s
-        self._clock = clock
-        self.state = TierHealth.UP
-        self.failures = 0
-        self.backoff = backoff_s
-        self.retry_at = 0.0
-        self.probing = False
-        self.reconnects = 0
-
-    def allow(self) -> bool | None:
-        """Whether a call may touch the server now: ``None`` no (answer locally), ``False`` yes, ``True`` yes
-        as the probe of a down server (exactly one per backoff interval)."""
-        if self.state is not TierHealth.DOWN:
-            return False
-        if self.probing or self._clock() < self.retry_at:
-            return None
-        self.probing = True
-        return True
-
-    def success(self, probe: bool) -> None:
-        if self.state is TierHealth.DOWN:
-            if not probe:
-                # An answer to a call sent before the server was declared down (read after it died): it says
-                # nothing about the server now, and only the probe may bring the tier back up.
-                return
-            self.reconnects += 1
-        self.state = TierHealth.UP
-        self.failures = 0
-        self.backoff = self._backoff0
-        self.probing = False
-
-    def failure(self, probe: bool) -> None:
-        self.failures += 1
-        if probe:  # the server is still gone: wait longer before the next probe
-            self.backoff = min(self.backoff * 2, self._backoff_max)
-            self.retry_at = self._clock() + self.backoff
-            self.probing = False
-        elif self.state is TierHealth.DOWN:
-            pass  # a call already in flight when the server was declared down
-        elif self.failures >= self._failures_to_down:
-            self.state = TierHealth.DOWN
-            self.retry_at = self._clock() + self.backoff
-        else:
-            self.state = TierHealth.DEGRADED
-
-    def abandoned(self, probe: bool) -> None:
-        """The call was cancelled before it could tell: let the next call probe."""
-        if probe:
-            self.probing = False
+# The breaker is shared with the disk tier (aiokv/tiers/_health.py); the old private name stays for importers.
+_Breaker = Breaker
 
 
 class _Failed:
@@ -785,7 +718,7 @@ class RedisTier(BackingTier):
                 "network (down after %d consecutive failures)",
                 self._where,
                 self._last_error,
-                breaker._failures_to_down,
+                breaker.failures_to_down,
             )
         else:
             log.changed(

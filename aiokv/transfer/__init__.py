@@ -3,8 +3,9 @@
 - :class:`TransferExecutor` and :class:`TransferFuture`: ordered copy streams per direction, futures for
   accepted copies, coalescing of one loop tick's copies into one submission.
 - The device data path (``aiokv/transfer/_device.py``), written once against :class:`DeviceBinding`, with two
-  bindings: CUDA (``aiokv._cuda.CudaDevice``) and :class:`SimulatedDevice` (CUDA's stream semantics on worker
-  threads, for tests and benchmarks on machines without a GPU). See docs/devices.md.
+  bindings: CUDA (``aiokv.transfer._cuda.CudaDevice``, the one module that uses ``torch.cuda``) and
+  :class:`SimulatedDevice` (CUDA's stream semantics on worker threads, for tests and benchmarks on machines
+  without a GPU). See docs/devices.md.
 
 Names are imported on first use.
 """

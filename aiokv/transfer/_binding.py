@@ -6,7 +6,7 @@ makes a stream wait on the device (not the host) for such a point; the host can 
 Waiting on an event that was never recorded does nothing, as in CUDA; recording an event again moves its
 point for waits issued afterwards only.
 
-Two bindings implement it: :class:`aiokv._cuda.CudaDevice` (torch.cuda) and
+Two bindings implement it: :class:`aiokv.transfer._cuda.CudaDevice` (torch.cuda) and
 :class:`aiokv.transfer.SimulatedDevice` (worker threads with CUDA's semantics, seeded delays, pausable
 streams and fault injection), so the ordering, coalescing, staging and completion logic of
 :mod:`aiokv.transfer._device` is tested on every machine.

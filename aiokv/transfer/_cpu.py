@@ -1,17 +1,17 @@
-"""Ordered worker-thread "streams" for the CPU backend, and the native copy kernel."""
+"""Ordered worker-thread "streams" for the CPU backend, and the native copy kernel (over checked buffers)."""
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import queue
 import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from ._future import call_soon_threadsafe_guarded
 
@@ -21,9 +21,12 @@ __all__ = [
     "HAVE_NATIVE",
     "SCATTER_GROUP",
     "CPUStream",
+    "CopyPlanner",
     "CopyPool",
     "GroupTuner",
+    "Segments",
     "copy_segments",
+    "tensor_bytes",
 ]
 
 try:
@@ -36,13 +39,147 @@ except ImportError:  # pragma: no cover - exercised only without a C compiler
     _CopyJob = None  # type: ignore[assignment,misc]
     HAVE_NATIVE = False
 
+Int64Array = npt.NDArray[np.int64]
 
-def _python_copy(
-    dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
-) -> None:
-    memmove = ctypes.memmove
-    for d, s, n in zip(dst.tolist(), src.tolist(), nbytes.tolist()):
-        memmove(d, s, n)
+
+def tensor_bytes(t: torch.Tensor, start: int = 0, length: int | None = None) -> npt.NDArray[np.uint8]:
+    """A writable uint8 array over bytes ``[start, start + length)`` of CPU tensor ``t``'s storage (no copy;
+    default: the bytes ``t`` spans). The array holds the storage, so the memory outlives every copy that uses
+    it; its length comes from the storage, so the copy kernel checks offsets against memory that is there."""
+    if t.device.type != "cpu":
+        raise ValueError(f"the copy kernel reads and writes CPU memory only, got a tensor on {t.device}")
+    storage = t.untyped_storage()
+    if length is None:
+        start = int(t.storage_offset()) * t.element_size()
+        length = _span(t)
+    if start < 0 or length < 0 or start + length > storage.nbytes():
+        raise ValueError(
+            f"bytes [{start}, {start + length}) are outside the tensor's storage ({storage.nbytes()} bytes)"
+        )
+    view = torch.empty(0, dtype=torch.uint8).set_(storage, start, (length,), (1,))
+    out: npt.NDArray[np.uint8] = view.numpy()
+    return out
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its last (strides are never negative in torch)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+
+
+class Segments:
+    """One side of a segment copy, as the kernel takes it: ``buffers`` (writable uint8 arrays), which buffer
+    each segment is in (``index``; ``None``: all in buffer 0) and each segment's byte offset in it. Slicing
+    selects segments. The kernel checks every (offset, length) against its buffer before copying."""
+
+    __slots__ = ("buffers", "index", "offsets")
+
+    def __init__(
+        self, buffers: tuple[Any, ...], offsets: Int64Array, index: Int64Array | None = None
+    ) -> None:
+        self.buffers = buffers
+        self.offsets = offsets
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, sl: slice) -> Segments:
+        return Segments(self.buffers, self.offsets[sl], None if self.index is None else self.index[sl])
+
+
+class CopyPlanner:
+    """A layout's copy plans as :class:`Segments` over checked buffers: the engine side over the memory the
+    layout's tensors span (one buffer per disjoint range of a storage), the host side over a host tensor.
+
+    Why addresses still appear here: the layouts plan copies as addresses (``KVLayout.copy_plan``, and the
+    grouped layouts' per-unit plans), the one definition of where a block's bytes are. This wrapper turns
+    them into (buffer, offset) pairs by looking each address up among the buffers; the kernel then checks
+    every offset and length against its buffer, so a wrong plan is a ValueError, never a stray write."""
+
+    def __init__(self, layout: Any, host: torch.Tensor | None = None) -> None:
+        self._layout = layout
+        ranges: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        for t in layout.tensors:
+            n = _span(t)
+            if n:
+                s = t.untyped_storage()
+                lo = int(t.storage_offset()) * t.element_size()
+                ranges.setdefault(s.data_ptr(), []).append((lo, lo + n, t))
+        bufs: list[tuple[int, npt.NDArray[np.uint8]]] = []
+        for base, rs in ranges.items():  # views of one storage may interleave: one buffer per merged range
+            rs.sort(key=lambda r: r[0])
+            lo, hi, t = rs[0]
+            for a, b, u in [*rs[1:], (-1, -1, t)]:
+                if a > hi or a < 0:
+                    bufs.append((base + lo, tensor_bytes(t, lo, hi - lo)))
+                    lo, hi, t = a, b, u
+                else:
+                    hi = max(hi, b)
+        bufs.sort(key=lambda b: b[0])
+        self._starts = np.asarray([b[0] for b in bufs], dtype=np.int64)
+        self._engine = tuple(b[1] for b in bufs)
+        self._host = None if host is None else self.host_side(host)
+
+    @staticmethod
+    def host_side(host: torch.Tensor) -> tuple[tuple[Any, ...], int]:
+        """The buffer of a host tensor (the bytes it spans) and its base offset (0)."""
+        return (tensor_bytes(host),), 0
+
+    def plan(
+        self, block_ids: Sequence[Any], slot_ids: Sequence[int], host: torch.Tensor | None = None
+    ) -> tuple[Segments, Segments, Int64Array]:
+        """``(engine, host, nbytes)`` for copying engine blocks ``block_ids[i]`` <-> slots ``slot_ids[i]`` of
+        ``host`` (default: the planner's host tensor), in the layout's order (slot by slot)."""
+        side = self._host if host is None else self.host_side(host)
+        if side is None:
+            raise ValueError("host must be given: this planner has no host tensor")
+        host_bufs, base = side
+        addrs, host_offs, nbytes = self._layout.copy_plan(block_ids, slot_ids, base)
+        starts = self._starts
+        if len(starts) == 1:
+            return Segments(self._engine, addrs - starts[0]), Segments(host_bufs, host_offs), nbytes
+        idx = np.searchsorted(starts, addrs, side="right") - 1
+        np.maximum(idx, 0, out=idx)  # below every buffer: a negative offset, which the kernel refuses
+        return Segments(self._engine, addrs - starts[idx], idx), Segments(host_bufs, host_offs), nbytes
+
+
+def _python_copy(dst: Segments, src: Segments, nbytes: Int64Array) -> None:
+    """The kernel's checks and copy, in Python (no C compiler at install time)."""
+    n = len(nbytes)
+    if len(dst) != n or len(src) != n:
+        raise ValueError(
+            "dst_offsets, src_offsets, nbytes (and dst_index, src_index) must have the same length"
+        )
+    sides = []
+    for name, side, writable in (("dst", dst, True), ("src", src, False)):
+        views = [memoryview(b).cast("B") for b in side.buffers]
+        if writable:
+            for k, v in enumerate(views):
+                if v.readonly:
+                    raise ValueError(f"{name}[{k}] is a read-only buffer: a copy cannot write into it")
+        index = [0] * n if side.index is None else side.index.tolist()
+        sides.append((name, views, index, side.offsets.tolist()))
+    lens = nbytes.tolist()
+    spans = []
+    for i, ln in enumerate(lens):
+        if ln < 0:
+            raise ValueError(f"nbytes[{i}] must be >= 0, got {ln}")
+        pair = []
+        for name, views, index, offs in sides:
+            k, off = index[i], offs[i]
+            if not 0 <= k < len(views):
+                raise ValueError(f"{name}_index[{i}] = {k} is not a buffer of {name} (it has {len(views)})")
+            if off < 0 or off + ln > len(views[k]):
+                raise ValueError(
+                    f"{name}_offsets[{i}] = {off} with nbytes[{i}] = {ln} is out of bounds of {name}[{k}] "
+                    f"({len(views[k])} bytes)"
+                )
+            pair.append(views[k][off : off + ln])
+        spans.append(pair)
+    for d, s in spans:
+        d[:] = s
 
 
 # Interleaving for gathers (scattered sources, sequential destination) and for scatters; see _copy.c. The
@@ -127,19 +264,31 @@ class GroupTuner:
 
 
 def copy_segments(
-    dst: npt.NDArray[np.int64],
-    src: npt.NDArray[np.int64],
-    nbytes: npt.NDArray[np.int64],
+    dst: Segments,
+    src: Segments,
+    nbytes: Int64Array,
     group: int = 1,
     stream: bool | None = None,
 ) -> None:
-    """memcpy every segment ``src[i] -> dst[i]`` (``nbytes[i]`` bytes), merging adjacent runs, GIL released.
+    """memcpy every segment ``src[i] -> dst[i]`` (``nbytes[i]`` bytes), merging adjacent runs, GIL released;
+    every segment is checked against its buffers first (a ValueError naming the argument, nothing copied).
 
     ``group`` > 1 interleaves that many runs (helps when the sources are scattered). ``stream``: streaming
     (non-temporal) stores, or plain memcpy; ``None`` chooses by size (streaming from 4 MiB). A piece of a
     larger batch passes the batch's choice, so it is copied (and timed) the way the batch is."""
     if _native_copy is not None:
-        _native_copy(dst, src, nbytes, group, 512, -1 if stream is None else int(stream))
+        _native_copy(
+            dst.buffers,
+            dst.index,
+            dst.offsets,
+            src.buffers,
+            src.index,
+            src.offsets,
+            nbytes,
+            group,
+            512,
+            -1 if stream is None else int(stream),
+        )
     else:  # pragma: no cover
         _python_copy(dst, src, nbytes)
 
@@ -180,9 +329,9 @@ class CopyPool:
 
     def copy(
         self,
-        dst: npt.NDArray[np.int64],
-        src: npt.NDArray[np.int64],
-        nbytes: npt.NDArray[np.int64],
+        dst: Segments,
+        src: Segments,
+        nbytes: Int64Array,
         group: int = 1,
         first: Callable[[], None] | None = None,
     ) -> None:
@@ -195,7 +344,18 @@ class CopyPool:
                 first()
             copy_segments(dst, src, nbytes, group)
             return
-        job = _CopyJob(dst, src, nbytes, group, 512, self.PART_BYTES)
+        job = _CopyJob(
+            dst.buffers,
+            dst.index,
+            dst.offsets,
+            src.buffers,
+            src.index,
+            src.offsets,
+            nbytes,
+            group,
+            512,
+            self.PART_BYTES,
+        )
         for q in self._queues:
             q.put(job)
         try:

@@ -17,7 +17,7 @@ import torch
 from .._errors import BlockRangeError, ClosedError, InvalidArgumentError, InvalidTypeError, TransferError
 from .._layout import KVLayout
 from ._binding import DeviceBinding
-from ._cpu import SCATTER_GROUP, CopyPool, CPUStream, GroupTuner, copy_segments
+from ._cpu import SCATTER_GROUP, CopyPlanner, CopyPool, CPUStream, GroupTuner, copy_segments
 from ._device import DeviceBackend, DeviceStats, Mark
 from ._future import TransferFuture
 
@@ -81,7 +81,7 @@ class TransferExecutor:
         ):
             raise InvalidArgumentError(f"copy_threads must be an int >= 1, got {copy_threads!r}")
         if device is None and layout.is_cuda:
-            from .._cuda import CudaDevice
+            from ._cuda import CudaDevice
 
             device = CudaDevice(layout.device)
         self._layout = layout
@@ -118,6 +118,7 @@ class TransferExecutor:
             self.backend = "cpu"
             self._copy_threads = copy_threads if copy_threads is not None else _default_copy_threads()
             self._pool = CopyPool(self._copy_threads) if self._copy_threads > 1 else None
+            self._planner = CopyPlanner(layout, host)  # checked buffers + offsets for the copy kernel
             self._gather_tuner = GroupTuner()
             self._streams = (
                 CPUStream(loop, "store", self._run_store, self._complete_batch),
@@ -145,7 +146,7 @@ class TransferExecutor:
     # ------------------------------------------------------------------ CPU copies
     def _copy_store(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> None:
         """Runs on the store worker thread (CPU backend)."""
-        engine, host, nbytes = self._layout.copy_plan(block_ids, slot_ids, self._host_addr)
+        engine, host, nbytes = self._planner.plan(block_ids, slot_ids)
         tuner = self._gather_tuner
         best = tuner.best
         trial = tuner.trial(len(block_ids) * self._layout.slot_bytes)
@@ -179,7 +180,7 @@ class TransferExecutor:
 
     def _copy_load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> None:
         """Runs on the load worker thread (CPU backend)."""
-        engine, host, nbytes = self._layout.copy_plan(block_ids, slot_ids, self._host_addr)
+        engine, host, nbytes = self._planner.plan(block_ids, slot_ids)
         self._copy(engine, host, nbytes, SCATTER_GROUP)
 
     def _copy(self, dst: Any, src: Any, nbytes: Any, group: int) -> None:

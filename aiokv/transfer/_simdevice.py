@@ -28,7 +28,7 @@ import torch
 
 from .._errors import DeviceError, InvalidArgumentError, InvalidTypeError
 from ._binding import BlockCopier, DeviceBinding
-from ._cpu import GATHER_GROUP, SCATTER_GROUP, copy_segments
+from ._cpu import GATHER_GROUP, SCATTER_GROUP, CopyPlanner, copy_segments
 
 if TYPE_CHECKING:
     from .._layout import KVLayout
@@ -188,6 +188,7 @@ class _SimCopier(BlockCopier):
     def __init__(self, device: SimulatedDevice, layout: KVLayout) -> None:
         self._device = device
         self._layout = layout
+        self._planner = CopyPlanner(layout)
 
     def _run(self, index: torch.Tensor, rows: torch.Tensor, gather: bool) -> None:
         n = int(rows.shape[0])
@@ -195,7 +196,7 @@ class _SimCopier(BlockCopier):
         num_blocks = self._layout.num_blocks
         if any(b < 0 or b >= num_blocks for b in ids):
             raise SimulatedDeviceError(f"illegal memory access: block index out of [0, {num_blocks})")
-        engine, staging, nbytes = self._layout.copy_plan(ids, range(n), rows.data_ptr())
+        engine, staging, nbytes = self._planner.plan(ids, range(n), rows)
         if gather:
             copy_segments(staging, engine, nbytes, GATHER_GROUP)
         else:

@@ -204,7 +204,7 @@ class WorkerSide:
         self._portal = self._portal_cm.__enter__()
         compute_stream = None
         if layout.is_cuda:  # pragma: no cover - needs a GPU
-            from .._cuda import CudaDevice
+            from ..transfer._cuda import CudaDevice
 
             # vLLM's forward runs on this thread's current stream: aiokv's copies are ordered against it.
             compute_stream = CudaDevice(layout.device).current_stream()

@@ -32,7 +32,7 @@ class Harness:
             self.compute: Any = self.sim.new_stream("compute")
             self.torch_device = torch.device("cpu")
         else:
-            from aiokv._cuda import CudaDevice
+            from aiokv.transfer._cuda import CudaDevice
 
             self.sim = None
             self.device = CudaDevice()

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokv import CPUTier, InvalidArgumentError, InvalidLayoutError, InvalidTypeError, KVLayout, Offloader
-from aiokv.transfer._cpu import copy_segments
+from aiokv.transfer._cpu import CopyPlanner, copy_segments
 
 NB = 12  # engine blocks
 BS = 4  # tokens per block
@@ -217,8 +217,8 @@ def test_copy_plan_packs_slots_as_documented(
     blocks = data.draw(st.permutations(range(num_blocks)))
     slots = data.draw(st.permutations(range(num_blocks)))
     host = np.zeros(num_blocks * layout.slot_bytes, dtype=np.uint8)
-    engine, host_addrs, nbytes = layout.copy_plan(blocks, slots, host.ctypes.data)
-    copy_segments(host_addrs, engine, nbytes)
+    engine, host_side, nbytes = CopyPlanner(layout, torch.from_numpy(host)).plan(blocks, slots)  # via copy_plan
+    copy_segments(host_side, engine, nbytes)
     for b, s in zip(blocks, slots, strict=True):
         want = b"".join(block_bytes(t, block_dim, b) for t in tensors)
         got = host[s * layout.slot_bytes : (s + 1) * layout.slot_bytes].tobytes()
@@ -226,7 +226,7 @@ def test_copy_plan_packs_slots_as_documented(
     # And back: loading the slots into a zeroed copy of the tensors restores them exactly.
     clones = [torch.zeros_like(t) for t in tensors]
     back = KVLayout(clones, block_size=1, block_dim=block_dim, token_dim=None)
-    engine2, host2, nbytes2 = back.copy_plan(blocks, slots, host.ctypes.data)
+    engine2, host2, nbytes2 = CopyPlanner(back, torch.from_numpy(host)).plan(blocks, slots)
     copy_segments(engine2, host2, nbytes2)
     for t, c in zip(tensors, clones, strict=True):
         assert torch.equal(t, c)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import aiokv
-from aiokv._cuda import CudaDevice, _CudaCopier
+from aiokv.transfer._cuda import CudaDevice, _CudaCopier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio]
 

@@ -14,7 +14,7 @@ import torch
 import aiokv
 from aiokv import CPUTier, DeviceError, KVLayout, Offloader, RequestState
 
-from ._device import Harness, harness_params
+from ..core._device import Harness, harness_params
 
 pytestmark = pytest.mark.asyncio
 

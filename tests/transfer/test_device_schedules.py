@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._schedules import run_schedule
+from ..core._schedules import run_schedule
 
 pytestmark = pytest.mark.asyncio
 

@@ -1,4 +1,5 @@
-"""The native scatter/gather copy kernel: both paths (plain memcpy, streaming + interleaved) are exact."""
+"""The native scatter/gather copy kernel: both paths (plain memcpy, streaming + interleaved) are exact, and it
+takes buffers plus offsets, never addresses: every segment is checked against its buffer before any byte moves."""
 
 from __future__ import annotations
 
@@ -7,11 +8,34 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
-from aiokv.transfer._cpu import HAVE_NATIVE, CopyPool, GroupTuner, copy_segments
+from aiokv import KVLayout
+from aiokv.transfer import _cpu as cpu_mod
+from aiokv.transfer._cpu import (
+    HAVE_NATIVE,
+    CopyPlanner,
+    CopyPool,
+    GroupTuner,
+    Segments,
+    copy_segments,
+    tensor_bytes,
+)
 
 if HAVE_NATIVE:
     from aiokv._native._copy import CopyJob
+
+
+def seg(buf: Any, offs: Any) -> Segments:
+    """One side of a copy: segments at byte offsets ``offs`` of ``buf``."""
+    return Segments((buf,), np.asarray(offs, dtype=np.int64))
+
+
+def make_job(dst: Segments, src: Segments, lens: Any, *args: Any, **kwargs: Any) -> Any:
+    """A native CopyJob over two sides."""
+    return CopyJob(
+        dst.buffers, dst.index, dst.offsets, src.buffers, src.index, src.offsets, lens, *args, **kwargs
+    )
 
 
 def _segments(rng: np.random.Generator, total: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -45,11 +69,9 @@ def test_scattered_segments_copy_exactly(total: int, max_len: int, seed: int, gr
         dst_offs[idx] = pos
         pos += int(lens[idx])
     assert pos <= len(dst)
-    src_base = src.ctypes.data + 1  # unaligned
-    dst_base = dst.ctypes.data
     copy_segments(
-        (dst_base + dst_offs)[order].astype(np.int64),
-        (src_base + offs)[order].astype(np.int64),
+        seg(dst, dst_offs[order]),
+        seg(src, (1 + offs)[order]),  # unaligned
         lens[order].astype(np.int64),
         group,
     )
@@ -65,11 +87,12 @@ def test_native_kernel_is_built() -> None:
 
 
 def test_rejects_mismatched_lengths_and_bad_groups() -> None:
-    a = np.zeros(2, np.int64)
+    buf = np.zeros(64, np.uint8)
+    a = seg(buf, [0, 8])
     with pytest.raises(ValueError, match="same length"):
         copy_segments(a, a, np.zeros(3, np.int64))
     with pytest.raises(ValueError, match=r"group must be in \[1, 16\], got 17"):
-        copy_segments(a, a, a, 17)
+        copy_segments(a, a, np.zeros(2, np.int64), 17)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -82,11 +105,7 @@ def test_a_copy_split_over_threads_is_exact(threads: int) -> None:
     order = rng.permutation(len(lens))
     pool = CopyPool(threads)
     try:
-        pool.copy(
-            (dst.ctypes.data + offs)[order].astype(np.int64),
-            (src.ctypes.data + offs)[order].astype(np.int64),
-            lens[order].astype(np.int64),
-        )
+        pool.copy(seg(dst, offs[order]), seg(src, offs[order]), lens[order].astype(np.int64))
     finally:
         pool.close()
     assert np.array_equal(dst, src)
@@ -103,8 +122,12 @@ def test_a_split_copy_with_a_bad_segment_copies_nothing() -> None:
         offs = np.arange(n, dtype=np.int64) * (64 << 10)
         lens = np.full(n, 64 << 10, np.int64)
         lens[-1] = -1
-        with pytest.raises(ValueError, match="nbytes must be >= 0"):
-            pool.copy(dst.ctypes.data + offs, src.ctypes.data + offs, lens)
+        with pytest.raises(ValueError, match=r"nbytes\[63\] must be >= 0, got -1"):
+            pool.copy(seg(dst, offs), seg(src, offs), lens)
+        assert not dst.any()
+        lens[-1] = (64 << 10) + 1  # one byte past the end of both buffers
+        with pytest.raises(ValueError, match=r"dst_offsets\[63\] = .* out of bounds of dst\[0\]"):
+            pool.copy(seg(dst, offs), seg(src, offs), lens)
         assert not dst.any()
     finally:
         pool.close()
@@ -117,7 +140,7 @@ def _packed_plan(seed: int, total: int, max_len: int) -> tuple[Any, ...]:
     src = rng.integers(1, 256, size=int(lens.sum()), dtype=np.uint8)
     dst = np.zeros_like(src)
     order = rng.permutation(len(lens))
-    return src, dst, (dst.ctypes.data + offs)[order], (src.ctypes.data + offs)[order], lens[order]
+    return src, dst, seg(dst, offs[order]), seg(src, offs[order]), lens[order]
 
 
 needs_native = pytest.mark.skipif(not HAVE_NATIVE, reason="the CopyJob kernel is native only")
@@ -130,7 +153,7 @@ def test_a_job_shared_by_threads_copies_every_part_once(group: int, threads: int
     """Threads take parts from one counter: together they copy every byte exactly (streaming path, > 4 MiB),
     and the bytes each run() reports add up to the plan."""
     src, dst, d, s, lens = _packed_plan(threads * 10 + group, 6 << 20, 40000)
-    job = CopyJob(d, s, lens, group, 512, 64 << 10)
+    job = make_job(d, s, lens, group, 512, 64 << 10)
     assert job.parts > threads
     assert job.nbytes == int(lens.sum())
     copied: list[int] = []
@@ -157,7 +180,7 @@ def test_a_late_run_of_a_finished_job_copies_nothing() -> None:
     """A helper that wakes after the owner copied every part finds none left: it returns 0 and writes
     nothing (the engine may already be writing into the blocks the copy reported done)."""
     src, dst, d, s, lens = _packed_plan(3, 1 << 20, 5000)
-    job = CopyJob(d, s, lens, 1, 512, 64 << 10)
+    job = make_job(d, s, lens, 1, 512, 64 << 10)
     assert not job.done
     assert job.run() == job.nbytes
     job.wait()
@@ -172,21 +195,21 @@ def test_a_late_run_of_a_finished_job_copies_nothing() -> None:
 @needs_native
 def test_parts_are_cut_at_segment_boundaries() -> None:
     buf = np.zeros(1 << 16, np.uint8)
-    addrs = buf.ctypes.data + np.arange(10, dtype=np.int64) * 1000
+    at = seg(buf, np.arange(10) * 1000)
     lens = np.full(10, 300, np.int64)
-    assert CopyJob(addrs, addrs, lens, part_bytes=1000).parts == 3  # 4 + 4 + 2 segments
-    assert CopyJob(addrs, addrs, lens, part_bytes=1).parts == 10  # a longer segment is a part of its own
-    assert CopyJob(addrs, addrs, lens, part_bytes=1 << 20).parts == 1
-    empty = np.zeros(0, np.int64)
-    job = CopyJob(empty, empty, empty)
+    assert make_job(at, at, lens, part_bytes=1000).parts == 3  # 4 + 4 + 2 segments
+    assert make_job(at, at, lens, part_bytes=1).parts == 10  # a longer segment is a part of its own
+    assert make_job(at, at, lens, part_bytes=1 << 20).parts == 1
+    empty = seg(buf, [])
+    job = make_job(empty, empty, np.zeros(0, np.int64))
     assert job.parts == 0
     assert job.done
     assert job.run() == 0
     job.wait()
     with pytest.raises(ValueError, match="part_bytes must be >= 1, got 0"):
-        CopyJob(addrs, addrs, lens, part_bytes=0)
+        make_job(at, at, lens, part_bytes=0)
     with pytest.raises(ValueError, match=r"group must be in \[1, 16\], got 0"):
-        CopyJob(addrs, addrs, lens, 0)
+        make_job(at, at, lens, 0)
 
 
 @needs_native
@@ -247,3 +270,133 @@ def test_group_tuner_ignores_one_outlier() -> None:
         assert tuner.trial(8 << 20) == 1
         tuner.record(1, candidate_cost, 1.0)
     assert tuner.best == 6
+
+
+# ------------------------------------------------------------------------------ bounds: checked, nothing written
+def _both_paths() -> list[Any]:
+    return ["native", "python"] if HAVE_NATIVE else ["python"]
+
+
+@pytest.fixture(params=_both_paths())
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The C kernel, and the Python fallback (same checks, same messages) with the C kernel hidden."""
+    if request.param == "python":
+        monkeypatch.setattr(cpu_mod, "_native_copy", None)
+        monkeypatch.setattr(cpu_mod, "_CopyJob", None)
+    return str(request.param)
+
+
+BAD_SEGMENTS = [
+    # (dst offsets, src offsets, nbytes, message): the last segment is bad, so a kernel that copied before
+    # checking would have written the first ones.
+    (
+        [0, 4096],
+        [0, 4096],
+        [4096, 4097],
+        r"dst_offsets\[1\] = 4096 with nbytes\[1\] = 4097 is out of bounds of dst\[0\]",
+    ),
+    (
+        [0, 0],
+        [0, 8192],
+        [4096, 1],
+        r"src_offsets\[1\] = 8192 with nbytes\[1\] = 1 is out of bounds of src\[0\]",
+    ),
+    ([0, -1], [0, 0], [4096, 1], r"dst_offsets\[1\] = -1 "),
+    ([0, 0], [0, -8], [4096, 8], r"src_offsets\[1\] = -8 "),
+    ([0, 8193], [0, 0], [4096, 0], r"dst_offsets\[1\] = 8193 with nbytes\[1\] = 0 is out of bounds"),
+    ([0, 2**62], [0, 0], [4096, 2**62], r"dst_offsets\[1\] = 4611686018427387904 "),  # no overflow
+    ([0, 0], [0, 0], [4096, -1], r"nbytes\[1\] must be >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize(("d", "s", "n", "message"), BAD_SEGMENTS)
+def test_an_out_of_bounds_segment_is_refused_and_nothing_is_written(
+    kernel: str, d: list[int], s: list[int], n: list[int], message: str
+) -> None:
+    src = np.full(8192, 7, np.uint8)
+    dst = np.zeros(8192, np.uint8)
+    with pytest.raises(ValueError, match=message):
+        copy_segments(seg(dst, d), seg(src, s), np.asarray(n, np.int64))
+    assert not dst.any()
+    if HAVE_NATIVE and kernel == "native":
+        with pytest.raises(ValueError, match=message):
+            make_job(seg(dst, d), seg(src, s), np.asarray(n, np.int64))
+        assert not dst.any()
+
+
+def test_a_read_only_destination_is_refused(kernel: str) -> None:
+    src = np.full(4096, 7, np.uint8)
+    frozen = np.zeros(4096, np.uint8)
+    frozen.flags.writeable = False
+    for dst in (frozen, bytes(4096)):
+        with pytest.raises(ValueError, match=r"dst\[0\] is a read-only buffer"):
+            copy_segments(seg(dst, [0]), seg(src, [0]), np.asarray([16], np.int64))
+    assert not frozen.any()
+    copy_segments(
+        seg(src.copy(), [0]), seg(bytes(range(16)), [0]), np.asarray([16], np.int64)
+    )  # a read-only source is fine
+
+
+def test_segments_name_their_buffer_by_index_and_a_bad_index_is_refused(kernel: str) -> None:
+    a, b = np.zeros(64, np.uint8), np.zeros(32, np.uint8)
+    src = np.arange(64, dtype=np.uint8)
+    two = Segments((a, b), np.asarray([0, 16], np.int64), np.asarray([1, 0], np.int64))
+    copy_segments(two, seg(src, [0, 8]), np.asarray([8, 8], np.int64))
+    assert b[:8].tolist() == list(range(8))
+    assert a[16:24].tolist() == list(range(8, 16))
+    bad = Segments((a, b), np.asarray([0, 0], np.int64), np.asarray([0, 2], np.int64))
+    with pytest.raises(ValueError, match=r"dst_index\[1\] = 2 is not a buffer of dst \(it has 2\)"):
+        copy_segments(bad, seg(src, [0, 0]), np.asarray([1, 1], np.int64))
+    # 24 bytes fit a but not b: checked against the buffer the index names
+    into_b = Segments((a, b), np.asarray([16], np.int64), np.asarray([1], np.int64))
+    with pytest.raises(ValueError, match=r"out of bounds of dst\[1\] \(32 bytes\)"):
+        copy_segments(into_b, seg(src, [0]), np.asarray([24], np.int64))
+    assert not b[16:].any()
+
+
+@needs_native
+def test_the_kernel_takes_no_addresses() -> None:
+    """An int64 array of addresses where a buffer is expected is not a buffer of bytes: refused."""
+    buf = np.zeros(64, np.uint8)
+    addrs = np.asarray([buf.ctypes.data], np.int64)
+    from aiokv._native._copy import copy_segments as native
+
+    with pytest.raises(ValueError, match="dst_index is required when dst has more than one buffer"):
+        native((buf, buf), None, addrs, buf, None, np.zeros(1, np.int64), np.ones(1, np.int64))
+    with pytest.raises(ValueError, match="out of bounds of dst"):  # an address as an offset: far outside
+        native(buf, None, addrs, buf, None, np.zeros(1, np.int64), np.ones(1, np.int64))
+    with pytest.raises(TypeError, match=r"src\[0\] must be a contiguous buffer, got int"):
+        native(
+            buf,
+            None,
+            np.zeros(1, np.int64),
+            buf.ctypes.data,
+            None,
+            np.zeros(1, np.int64),
+            np.ones(1, np.int64),
+        )
+
+
+def test_the_planner_bounds_the_engine_side_by_the_tensors_it_spans() -> None:
+    """Views of one storage (K and V interleaved along a leading dimension) are one buffer over what they
+    span; a plan naming a block past the end is refused by the kernel, not copied from foreign memory."""
+    kv = torch.arange(2 * 6 * 4 * 8, dtype=torch.float32).reshape(6, 2, 4, 8)
+    k, v = kv[:, 0], kv[:, 1]  # non-contiguous views, interleaved in one storage
+    layout = KVLayout([k, v], block_size=4)
+    host = torch.zeros(3 * layout.slot_bytes, dtype=torch.uint8)
+    planner = CopyPlanner(layout, host)
+    assert len(planner._engine) == 1
+    engine, slots, nbytes = planner.plan([5, 0], [0, 2])
+    copy_segments(slots, engine, nbytes)
+    back = torch.zeros_like(kv)
+    restore = CopyPlanner(KVLayout([back[:, 0], back[:, 1]], block_size=4), host)
+    e2, s2, n2 = restore.plan([5, 0], [0, 2])
+    copy_segments(e2, s2, n2)
+    assert torch.equal(back[5], kv[5])
+    assert torch.equal(back[0], kv[0])
+    assert not back[1:5].any()
+    engine.offsets[1] += 1  # block 5 of v, the last bytes v spans: one byte further is outside
+    with pytest.raises(ValueError, match="out of bounds of src"):
+        copy_segments(slots, engine, nbytes)
+    with pytest.raises(ValueError, match="CPU memory only"):
+        tensor_bytes(torch.zeros(1, device="meta"))
