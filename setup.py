@@ -5,12 +5,21 @@ loops (aiokv._native._lru).
 Everything else lives in pyproject.toml. All four are optional: when no C compiler is available aiokv falls
 back to a numpy per-block loop for copies, to hashlib for hashes and to the Python methods for the rest
 (slower, same results).
+
+AIOKV_SKIP_NATIVE_BUILD=1 installs without building them: for a second editable install over a source tree whose
+extensions another venv of the same Python already built in place (the Makefile's .venv-vllm).
 """
+
+import os
 
 from setuptools import Extension, setup
 
+SKIP = os.environ.get("AIOKV_SKIP_NATIVE_BUILD") == "1"
+
 setup(
-    ext_modules=[
+    ext_modules=[]
+    if SKIP
+    else [
         Extension(
             f"aiokv._native.{name}",
             sources=[f"aiokv/_native/{name}.c"],

@@ -110,7 +110,7 @@ def block_hashes(
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
     if not isinstance(root, (bytes, bytearray)) or len(root) != 32:
-        raise InvalidArgumentError("root must be 32 bytes (see aiokv.make_root)")
+        raise InvalidArgumentError("root must be 32 bytes (see aiokv.rules.make_root)")
     if parent is None:
         # Validated before the early return below, so a bad salt fails even for a short prompt.
         if isinstance(extra_keys, (str, bytes)) or not isinstance(extra_keys, Iterable):

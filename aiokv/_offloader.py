@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import math
 import threading
@@ -48,12 +49,27 @@ if TYPE_CHECKING:
     from .events._log import KVEventLog, KVEventStream, KVSnapshot
     from .events._zmq import ZmqEventPublisher
 
-__all__ = ["Offloader"]
+__all__ = ["Offloader", "OffloaderState"]
 
 _log = get_logger("offloader")
 
 _GROUPED_LOOKUP_TRIES = 8  # boundaries a grouped lookup tries before giving up (each may ask the lower tiers)
 _MAX_PRIORITY = 100  # Offloader.open(priority=...) is in [-_MAX_PRIORITY, _MAX_PRIORITY]
+
+
+class OffloaderState(enum.Enum):
+    """Where an :class:`Offloader` is in its lifecycle (``Offloader.state``, shown in its ``repr``):
+    ``NEW`` -> ``RUNNING`` (:meth:`~Offloader.start`, or entering ``async with``) -> ``CLOSING``
+    (:meth:`~Offloader.aclose` is draining requests, copies and write-through) -> ``CLOSED``. An offloader
+    closed before it started goes from ``NEW`` to ``CLOSED``; none is started twice."""
+
+    NEW = "new"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Offloader:
@@ -193,7 +209,7 @@ class Offloader:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: TransferExecutor | None = None
         self._writers: list[WriteThrough] = []
-        self._state = "new"  # new -> running -> closing -> closed
+        self._state = OffloaderState.NEW
         self._thread: int | None = None  # the loop's thread, recorded at start
         self._closer: asyncio.Task[None] | None = None
         self._closed_tiers: set[int] = set()
@@ -297,7 +313,7 @@ class Offloader:
         await self.aclose()
 
     async def start(self) -> None:
-        if self._state != "new":
+        if self._state is not OffloaderState.NEW:
             raise ClosedError(f"offloader cannot be started twice (it is {self._state})")
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
@@ -355,7 +371,7 @@ class Offloader:
                     await tier.aclose()
                 await self._executor.aclose()
                 raise
-        self._state = "running"
+        self._state = OffloaderState.RUNNING
         _log.debug(
             "offloader started: %s; tiers: cpu (%d slots)%s",
             self.layout.describe(),
@@ -372,16 +388,16 @@ class Offloader:
         are cancelled, but copies in flight are still waited for (they cannot be recalled) and every thread is
         stopped. Nothing aiokv started outlives it; the host buffer is released last.
         """
-        if self._state == "closed":
+        if self._state is OffloaderState.CLOSED:
             return
-        if self._state == "new":
-            self._state = "closed"
+        if self._state is OffloaderState.NEW:
+            self._state = OffloaderState.CLOSED
             self.cpu.release()
             if self._event_log is not None:
                 self._event_log.close()  # no tier ever held a block: streams just end
             return
         self._check_thread("aclose")
-        self._state = "closing"
+        self._state = OffloaderState.CLOSING
         closer = self._closer
         if closer is None or closer.done():  # first call, or a closer that failed: start (again)
             closer = self._closer = self.loop.create_task(self._close(), name="aiokv-offloader-close")
@@ -404,7 +420,7 @@ class Offloader:
                     break
                 except asyncio.CancelledError:
                     cancelled = True  # every step is idempotent: redo this one, hard
-        self._state = "closed"
+        self._state = OffloaderState.CLOSED
         self.cpu.release()
         self._log_copy.flush()
         self._log_tier.flush()
@@ -474,7 +490,12 @@ class Offloader:
     @property
     def running(self) -> bool:
         """True between :meth:`start` and :meth:`aclose`: requests may be opened."""
-        return self._state == "running"
+        return self._state is OffloaderState.RUNNING
+
+    @property
+    def state(self) -> OffloaderState:
+        """Where the offloader is in its lifecycle (:class:`OffloaderState`)."""
+        return self._state
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -577,10 +598,10 @@ class Offloader:
         request takes the higher priority; a hit does not change it). Other policies ignore it; the
         write-through queues and the lower tiers do not use it."""
         self._check_thread("open")
-        if self._state != "running":
+        if self._state is not OffloaderState.RUNNING:
             raise ClosedError(
                 "offloader is not started; use 'async with Offloader(...)'"
-                if self._state == "new"
+                if self._state is OffloaderState.NEW
                 else f"offloader is {self._state}"
             )
         if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
@@ -1138,7 +1159,7 @@ class Offloader:
     def _promote(self, tier: int, keys: list[bytes]) -> None:
         """Blocks found in lower tier ``tier`` are also written to the faster lower tiers (e.g. a Redis hit
         lands on the local disk too), through the same bounded write-through."""
-        if self._state == "running":
+        if self._state is OffloaderState.RUNNING:
             for w in self._writers[:tier]:
                 w.offer(keys)
 
@@ -1219,7 +1240,7 @@ class Offloader:
         )
 
     def __repr__(self) -> str:
-        return f"<Offloader {self._state} {self.layout.describe()} requests={len(self._requests)}>"
+        return f"<Offloader {self._state.name} {self.layout.describe()} requests={len(self._requests)}>"
 
 
 _WriteThrough = WriteThrough  # the name tests knew (tests/core/test_backpressure.py)

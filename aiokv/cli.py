@@ -94,7 +94,7 @@ def _synthetic_kwargs(spec: str) -> dict[str, Any]:
 
 def _add_replay(sub: Any) -> None:
     from .replay._groups import GROUP_PRESETS
-    from .replay._model import MODEL_PRESETS
+    from .replay._model import COST_PRESETS
 
     p = sub.add_parser(
         "replay",
@@ -123,7 +123,7 @@ def _add_replay(sub: Any) -> None:
     )
     p.add_argument(
         "--model",
-        choices=sorted(MODEL_PRESETS),
+        choices=sorted(COST_PRESETS),
         default=None,
         help="model preset for KV bytes per token and prefill speed (default: llama3-8b)",
     )
@@ -256,7 +256,7 @@ def _parse_target(text: str) -> float:
 
 
 def _parse_policies(text: str) -> list[str]:
-    from .tiers._policies import policy_names
+    from .tiers import policy_names
 
     policies = [p.strip() for p in text.split(",") if p.strip()]
     if not policies:
@@ -342,14 +342,14 @@ def _check_output(args: argparse.Namespace) -> bool:
 
 def _plan_replay(args: argparse.Namespace) -> _ReplayPlan:
     """Validate every option (nothing is read or replayed yet)."""
-    from .replay import MODEL_PRESETS, CostModel, TierConfig
+    from .replay import COST_PRESETS, CostModel, TierConfig
     from .replay._sim import check_capacity
 
     have_rich = _check_output(args)
     _check_numbers(args)
     policies = _parse_policies(args.policy)
     model_name = args.model or "llama3-8b"
-    model = MODEL_PRESETS[model_name]
+    model = COST_PRESETS[model_name]
     kv = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else model.kv_bytes_per_token
     speed = args.prefill_tokens_per_s if args.prefill_tokens_per_s is not None else model.prefill_tokens_per_s
     groups = None

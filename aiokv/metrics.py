@@ -31,11 +31,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ._bridge import call_in_loop
 from ._errors import ClosedError
+from .bridge import call_in_loop
 
 if TYPE_CHECKING:
-    from ._offloader import Offloader
+    from . import Offloader
     from .engine import Engine
 
 __all__ = [

@@ -41,7 +41,7 @@ import contextlib
 import _common as common
 
 import aiokv
-from aiokv.tiers import _disk as disk_mod
+from aiokv.tiers.disk import _files as disk_files
 
 BLOCK_SIZE = 16
 PREFIX_BLOCKS = 8
@@ -61,14 +61,14 @@ class _FifoPool(concurrent.futures.ThreadPoolExecutor):
 
 def _throttle_disk_writes(mbps: float) -> None:
     """Every entry the disk tier writes costs its bytes' time at ``mbps`` on the I/O thread (a slow device)."""
-    real = disk_mod._Files.write
+    real = disk_files._Files.write
 
     def slow_write(self: Any, slots: Any, keys: Any, payloads: Any, *rest: Any) -> Any:
         nbytes = sum(len(p) for p in payloads)
         time.sleep(nbytes / (mbps * 1e6))
         return real(self, slots, keys, payloads, *rest)
 
-    disk_mod._Files.write = slow_write  # type: ignore[method-assign]
+    disk_files._Files.write = slow_write  # type: ignore[method-assign]
 
 
 def _layout(num_blocks: int) -> aiokv.KVLayout:

@@ -8,7 +8,7 @@ serve the same requests in the same run:
 
 - ``recompute``: the engine without an offloader;
 - ``fast/decide``, ``fast/always``: offload, the disk tier as is;
-- ``slow/decide``, ``slow/always``: offload, the disk tier behind a :class:`~aiokv.FaultyTier` that delays
+- ``slow/decide``, ``slow/always``: offload, the disk tier behind a :class:`~aiokv.testing.FaultyTier` that delays
   every call (lookup, read, write) by ``--slow-factor`` times the recompute run's median prefix prefill, so
   restoring a prefix from it takes several times longer than recomputing it.
 
@@ -44,6 +44,8 @@ import _common as common
 
 import aiokv
 from aiokv.engine import Engine, ModelConfig, PagedKVCache, Transformer
+from aiokv.testing import FaultyTier
+from aiokv.tiers import BackingTier
 
 RUN_ALL_TIMEOUT_S = 1800  # three full runs take 5-12 min (run_all.py's default limit is 5 min)
 CONFIGS = ("recompute", "fast/decide", "fast/always", "slow/decide", "slow/always")
@@ -111,9 +113,9 @@ async def open_setup(
     doc_blocks = args.prefix // args.block_size
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="aiokv-bench-planner-"))
     disk = aiokv.DiskTier(tmp, capacity_bytes=4 * args.docs * doc_blocks * (layout.slot_bytes + 4096))
-    lower: aiokv.BackingTier = disk
+    lower: BackingTier = disk
     if tier_kind == "slow":
-        lower = aiokv.FaultyTier(disk, delay_s=delay_s)
+        lower = FaultyTier(disk, delay_s=delay_s)
     cpu = aiokv.CPUTier(capacity_bytes=(doc_blocks * 3 // 2) * layout.slot_bytes)
     off = await stack.enter_async_context(aiokv.Offloader(layout, tiers=[cpu, lower], load_policy=policy))
     engine = await stack.enter_async_context(Engine(model, cache, offloader=off))

@@ -33,9 +33,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiokv.tiers._base import TierSpec
-from aiokv.tiers._disk import DiskTier
 from aiokv.tiers._format import HEADER_SIZE
-from aiokv.tiers._redis import RedisTier
+from aiokv.tiers.disk import DiskTier
+from aiokv.tiers.redis import RedisTier
 
 FP = hashlib.sha256(b"bench-layout").digest()
 

@@ -20,7 +20,7 @@ import sys
 import torch
 
 import aiokv
-from aiokv import ThreadBridge
+from aiokv.bridge import ThreadBridge
 from aiokv.engine import BlockAllocator, ModelConfig, PagedKVCache, SeqChunk, Transformer
 
 CONFIG = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -34,12 +34,32 @@ except ImportError:  # pragma: no cover
     uvloop = None
 
 
+# AIOKV_ASYNCIO_DEBUG=1 (a CI leg, `make test-python`): every loop of this process runs in asyncio's debug
+# mode, which raises on a loop method called from another thread, reports coroutines never awaited with where
+# they were made, and logs callbacks that hold the loop over 100 ms. Set here rather than through
+# PYTHONASYNCIODEBUG so the servers and engines the tests start in subprocesses run as users run them.
+ASYNCIO_DEBUG = os.environ.get("AIOKV_ASYNCIO_DEBUG") == "1"
+if ASYNCIO_DEBUG:
+    asyncio.coroutines._is_debug_mode = lambda: True  # type: ignore[attr-defined]  # asyncio.run, new loops
+
+
+def _debugged(factory: Callable[[], asyncio.AbstractEventLoop]) -> Callable[[], asyncio.AbstractEventLoop]:
+    def make() -> asyncio.AbstractEventLoop:
+        loop = factory()
+        loop.set_debug(True)
+        return loop
+
+    return make
+
+
 def pytest_asyncio_loop_factories(
     config: Any, item: Any
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
     if uvloop is not None:
         factories["uvloop"] = uvloop.new_event_loop
+    if ASYNCIO_DEBUG:
+        return {name: _debugged(f) for name, f in factories.items()}
     return factories
 
 

@@ -1,5 +1,6 @@
-"""The public surface: ``aiokv.__all__`` is complete and accurate, ``aiokv/__init__.py`` only re-exports, and
-the package ships ``py.typed``."""
+"""The public surface: ``aiokv.__all__`` is the everyday names and nothing else, ``aiokv/__init__.py`` only
+re-exports, the public modules hold the rest, and the package ships ``py.typed``. (Deprecated names:
+tests/test_deprecations.py.)"""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import re
 import subprocess
 import sys
 import types
+import warnings
 from importlib import resources
 from pathlib import Path
 
 import pytest
 
 import aiokv
+import aiokv.errors
 
 PACKAGE_DIR = Path(aiokv.__file__).resolve().parent
 REPO = PACKAGE_DIR.parent
@@ -33,43 +36,61 @@ def test_all_is_sorted_for_review() -> None:
     assert aiokv.__all__ == sorted(aiokv.__all__, key=lambda n: (not n.isupper(), not n[:1].isupper(), n))
 
 
-def test_every_public_attribute_is_in_all() -> None:
-    """Public attributes are the exports, plus the names kept importable from 0.1.0 (cached once used)."""
+# The top level: what an engine embedding aiokv writes every day (aiokv/__init__.py says why each is there).
+EVERYDAY = {
+    "Offloader",
+    "OffloaderState",
+    "OffloaderStats",
+    "Request",
+    "RequestState",
+    "LoadCompletion",
+    "KVLayout",
+    "KVGroup",
+    "GroupKind",
+    "GroupedLayout",
+    "NO_BLOCK",
+    "CPUTier",
+    "DiskTier",
+    "RedisTier",
+    "block_hashes",
+    "AiokvError",
+    "__version__",
+}
+
+# Every exception class: documented in aiokv.errors, importable from the top level too, without a warning.
+ERRORS = set(aiokv.errors.__all__)
+
+
+def test_the_top_level_is_the_everyday_names() -> None:
+    assert set(aiokv.__all__) == EVERYDAY
+    assert len(aiokv.__all__) <= 17, "a surface a user can hold in mind"
+
+
+def test_every_public_attribute_is_in_all_or_an_error_class() -> None:
+    """The namespace holds ``__all__`` (once used) and the exception classes; ``dir()`` lists those and the
+    submodules, never a deprecated name (tests/test_deprecations.py)."""
     public = {
         name
         for name, value in vars(aiokv).items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
-    lazy = {
+    listed = {
         n
         for n in aiokv.__dir__()
         if not n.startswith("_") and not isinstance(getattr(aiokv, n), types.ModuleType)
     }
-    assert public - set(aiokv.__all__) <= LEGACY_NAMES
-    assert lazy - set(aiokv.__all__) == LEGACY_NAMES
+    assert public - set(aiokv.__all__) <= ERRORS
+    assert listed == (set(aiokv.__all__) | ERRORS) - {"__version__"}
 
 
-LEGACY_NAMES = {
-    "NONE_ROOT",
-    "make_root",
-    "BackingTier",
-    "TierSpec",
-    "CPUTierStats",
-    "DiskTierStats",
-    "RedisTierStats",
-    "FaultyTierStats",
-    "BlockIndex",
-    "EntryState",
-    "ARCPolicy",
-    "ChainLRUPolicy",
-    "EvictionPolicy",
-    "LRUPolicy",
-    "make_policy",
-    "policy_names",
-    "register_policy",
-    "ExecutorStats",
-    "TransferExecutor",
-}
+def test_every_error_class_is_importable_from_the_top_level_without_a_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ERRORS:
+            assert getattr(aiokv, name) is getattr(aiokv.errors, name)
+            assert issubclass(getattr(aiokv, name), aiokv.AiokvError)
+    assert set(aiokv._errors.__all__) == ERRORS
+    assert "AiokvError" in aiokv.__all__
 
 
 def test_init_defines_nothing_itself() -> None:
@@ -80,13 +101,12 @@ def test_init_defines_nothing_itself() -> None:
         obj = getattr(aiokv, name)
         module = getattr(obj, "__module__", None)
         if module is None:  # constants: must be the very object of a private module
-            home = {"NONE_ROOT": "aiokv._hashing", "NO_BLOCK": "aiokv._groups"}
+            home = {"NO_BLOCK": "aiokv._groups"}
             assert name in home
             assert obj is getattr(importlib.import_module(home[name]), name)
             continue
         assert module.startswith(ALLOWED_PREFIXES), f"{name} is defined in {module}"
         assert getattr(sys.modules[module], obj.__name__) is obj
-    assert aiokv.RequestHandle is aiokv.Request  # a documented alias, not a new class
 
 
 def test_init_source_is_only_imports_and_metadata() -> None:
@@ -112,7 +132,9 @@ def test_init_source_is_only_imports_and_metadata() -> None:
         assert targets in (["__all__"], ["(__getattr__, __dir__)"]), f"line {node.lineno} defines {targets}"
 
 
-@pytest.mark.parametrize("package", ["aiokv", "aiokv.tiers", "aiokv.transfer", "aiokv.events"])
+@pytest.mark.parametrize(
+    "package", ["aiokv", "aiokv.tiers", "aiokv.transfer", "aiokv.events", "aiokv.testing", "aiokv.replay"]
+)
 def test_every_lazy_name_imports_from_its_module(package: str) -> None:
     pkg = importlib.import_module(package)
     for name in pkg.__dir__():
@@ -133,33 +155,45 @@ def test_the_events_package_exports_the_log_the_stream_and_the_publisher() -> No
     assert aiokv.events.TierEvents.__module__ == "aiokv.events._emit"
 
 
-def test_names_moved_below_the_top_level_stay_importable_from_it() -> None:
-    """0.1.0 documented these at the top level; they now live in aiokv.tiers / aiokv.transfer."""
-    from aiokv import BlockIndex, ExecutorStats, TransferExecutor, make_root, policy_names
-    from aiokv.tiers import BlockIndex as TierBlockIndex
-    from aiokv.transfer import TransferExecutor as Executor
+PUBLIC_MODULES = [
+    "aiokv",
+    "aiokv.errors",
+    "aiokv.testing",
+    "aiokv.bridge",
+    "aiokv.rules",
+    "aiokv.tiers",
+    "aiokv.transfer",
+    "aiokv.store",
+    "aiokv.events",
+    "aiokv.replay",
+    "aiokv.engine",
+]
 
-    assert BlockIndex is TierBlockIndex
-    assert TransferExecutor is Executor
-    assert callable(make_root)
-    assert callable(policy_names)
-    assert ExecutorStats is not None
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_each_public_module_lists_what_it_exports(module: str) -> None:
+    mod = importlib.import_module(module)
+    assert len(set(mod.__all__)) == len(mod.__all__), "duplicates in __all__"
+    assert [n for n in mod.__all__ if not hasattr(mod, n)] == []
+    assert inspect.getdoc(mod), f"{module} has no module documentation"
 
 
-def test_the_top_level_is_what_an_embedding_engine_needs() -> None:
-    internals = {
-        "BlockIndex",
-        "EntryState",
-        "TransferExecutor",
-        "make_root",
-        "register_policy",
-        "CPUTierStats",
-    }
-    assert internals.isdisjoint(aiokv.__all__)
+def test_the_testing_helpers_are_the_package_objects() -> None:
+    import aiokv.testing
+    import aiokv.tiers
+    import aiokv.transfer
+
+    assert aiokv.testing.FaultyTier is aiokv.tiers.FaultyTier
+    assert aiokv.testing.FaultyTierStats is aiokv.tiers.FaultyTierStats
+    assert aiokv.testing.SimulatedDevice is aiokv.transfer.SimulatedDevice
+    assert issubclass(aiokv.testing.MemoryTier, aiokv.tiers.BackingTier)
 
 
 def test_importing_aiokv_and_its_command_line_does_not_import_torch() -> None:
-    code = "import sys, aiokv, aiokv.cli, aiokv.replay; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, aiokv, aiokv.cli, aiokv.replay, aiokv.errors, aiokv.testing, aiokv.rules, aiokv.bridge; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

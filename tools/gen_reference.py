@@ -30,12 +30,22 @@ def _sig(obj: object) -> str:
 
 
 SUBPACKAGES = (
+    (
+        "aiokv.errors",
+        "Every exception aiokv raises (each is also importable from the top level, without a warning).",
+    ),
     ("aiokv.engine", "The reference engine: `Engine.generate`, `Engine.stream`, their results and stats."),
     ("aiokv.store", "The store core: the CPU tier's index behind a synchronous, two-phase protocol."),
     ("aiokv.tiers", "Tiers, the block index and eviction policies."),
     ("aiokv.transfer", "The copy executor, transfer futures, device bindings and the simulated device."),
+    ("aiokv.bridge", "Using aiokv from threads other than the offloader's event loop."),
+    ("aiokv.rules", "The offloader's decisions as pure, synchronous functions; hash roots."),
     ("aiokv.events", "KV cache events (needs the `events` extra for the ZMQ publisher)."),
     ("aiokv.metrics", "Prometheus metrics (needs `prometheus_client`)."),
+    (
+        "aiokv.testing",
+        "Test helpers: fault injection, an in-memory lower tier, a fake clock, the simulated device.",
+    ),
 )
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiokv.replay import (
-    MODEL_PRESETS,
+    COST_PRESETS,
     CostModel,
     ReplayResult,
     TierConfig,
@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--disk-policy", default="session", help="policy of the CPU + disk sweep (default session)"
     )
-    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODEL_PRESETS))
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(COST_PRESETS))
     ap.add_argument("--block-tokens", type=int, default=512)
     ap.add_argument(
         "--points", type=int, default=17, help="capacities from 1/256 of the footprint to all of it"
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     trace = _load(args.trace, args.block_tokens)
-    model = MODEL_PRESETS[args.model]
+    model = COST_PRESETS[args.model]
     kvb = model.kv_bytes_per_token
     block_bytes = trace.block_tokens * kvb
     cost = CostModel(model.prefill_tokens_per_s)

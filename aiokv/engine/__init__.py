@@ -3,7 +3,7 @@ vLLM's layout, and an asyncio continuous-batching scheduler that offloads and re
 :class:`aiokv.Offloader` (or recomputes everything when given none). See docs/engine.md."""
 
 from ._cache import AllocatorStats, BlockAllocator, PagedKVCache
-from ._engine import BlockEvent, Engine, EngineStats, GenerationResult, TokenStream
+from ._engine import BlockEvent, Engine, EngineState, EngineStats, GenerationResult, TokenStream
 from ._model import ModelConfig, SeqChunk, Transformer
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "BlockAllocator",
     "BlockEvent",
     "Engine",
+    "EngineState",
     "EngineStats",
     "GenerationResult",
     "ModelConfig",

@@ -42,7 +42,30 @@ from ._model import SeqChunk, Transformer
 if TYPE_CHECKING:
     from aiokv import LoadCompletion, Offloader, Request
 
-__all__ = ["BlockEvent", "Engine", "EngineStats", "GenerationResult", "TokenStream"]
+__all__ = ["BlockEvent", "Engine", "EngineState", "EngineStats", "GenerationResult", "TokenStream"]
+
+
+class EngineState(enum.Enum):
+    """Where an :class:`Engine` is in its lifecycle (``Engine.state``, shown in its ``repr``): ``NEW`` ->
+    ``RUNNING`` (:meth:`~Engine.start`, or entering ``async with``) -> ``CLOSING`` (:meth:`~Engine.aclose` is
+    finishing or aborting what runs) -> ``CLOSED``; one closed before it started goes from ``NEW`` to
+    ``CLOSED``."""
+
+    NEW = "new"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_NEW, _RUNNING, _CLOSING, _CLOSED = (
+    EngineState.NEW,
+    EngineState.RUNNING,
+    EngineState.CLOSING,
+    EngineState.CLOSED,
+)
 
 
 class Phase(enum.Enum):
@@ -285,7 +308,7 @@ class Engine:
         self._idle_waiters: list[asyncio.Event] = []
         self._loop_task: asyncio.Task[None] | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._state = "new"  # new -> running -> closing -> closed
+        self._state = _NEW
         self._failure: BaseException | None = None
         self._counts = dict.fromkeys(
             (
@@ -323,20 +346,20 @@ class Engine:
         await self.aclose()
 
     async def start(self) -> None:
-        if self._state != "new":
+        if self._state is not _NEW:
             raise ClosedError(f"engine cannot be started twice (it is {self._state})")
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiokv-engine-forward")
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="aiokv-engine-loop")
-        self._state = "running"
+        self._state = _RUNNING
 
     async def aclose(self) -> None:
         """Abort every request, wait for aiokv to release their blocks, stop the loop. Idempotent."""
-        if self._state in ("closing", "closed"):
+        if self._state in (_CLOSING, _CLOSED):
             return
-        if self._state == "new":
-            self._state = "closed"
+        if self._state is _NEW:
+            self._state = _CLOSED
             return
-        self._state = "closing"
+        self._state = _CLOSING
         try:
             for seq in list(self._seqs.values()):
                 self._request_abort(seq, ClosedError("engine closed"), reason="shutdown")
@@ -352,7 +375,7 @@ class Engine:
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
-            self._state = "closed"
+            self._state = _CLOSED
 
     # ------------------------------------------------------------------ public API
 
@@ -423,7 +446,7 @@ class Engine:
     @property
     def healthy(self) -> bool:
         """True while the engine can serve new requests: started, not failed, its offloader open."""
-        return self._state == "running" and self._check_health() is None
+        return self._state is _RUNNING and self._check_health() is None
 
     @property
     def failure(self) -> BaseException | None:
@@ -448,10 +471,15 @@ class Engine:
             self._idle_waiters.append(ev)
             await ev.wait()
 
+    @property
+    def state(self) -> EngineState:
+        """The lifecycle state (:class:`EngineState`)."""
+        return self._state
+
     def __repr__(self) -> str:
         mode = "offload" if self.offloader is not None else "recompute"
         return (
-            f"<Engine {self._state} {mode} waiting={len(self._waiting)} admitting={self._admitting}"
+            f"<Engine {self._state.name} {mode} waiting={len(self._waiting)} admitting={self._admitting}"
             f" running={len(self._running)} free_blocks={self._allocator.num_free}/{self._allocator.num_blocks}>"
         )
 
@@ -542,10 +570,10 @@ class Engine:
         )
 
     def _check_accepting(self) -> None:
-        if self._state != "running":
+        if self._state is not _RUNNING:
             raise ClosedError(
                 "engine is not started; use 'async with Engine(...)'"
-                if self._state == "new"
+                if self._state is _NEW
                 else f"engine is {self._state}"
             )
         cause = self._check_health()
@@ -606,7 +634,7 @@ class Engine:
             while True:
                 self._wakeup.clear()
                 self._process_aborts()
-                if self._state == "closing" and not self._seqs:
+                if self._state is _CLOSING and not self._seqs:
                     return
                 was_starved = self._starved
                 self._admit()
@@ -755,7 +783,7 @@ class Engine:
         Runs at every step boundary and also whenever blocks come back or a request arrives (synchronous, on
         the loop thread: never in the middle of :meth:`_schedule`), so admissions overlap the forward in
         flight."""
-        while self._waiting and self._state == "running" and self._failure is None:
+        while self._waiting and self._state is _RUNNING and self._failure is None:
             if len(self._running) + self._admitting >= self.max_num_seqs:
                 return
             seq = self._waiting[0]

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._errors import InvalidArgumentError, InvalidTypeError
-from .._grouprule import window_blocks
 from .._units import parse_size
+from ..rules import window_blocks
 
 __all__ = [
     "GROUP_KINDS",

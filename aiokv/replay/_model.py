@@ -30,8 +30,8 @@ from .._errors import InvalidArgumentError, InvalidTypeError
 from .._units import format_size, parse_bandwidth, parse_size  # one grammar (docs/serving.md); re-exported
 
 __all__ = [
+    "COST_PRESETS",
     "DEFAULT_BANDWIDTHS",
-    "MODEL_PRESETS",
     "TTFT_FORMULA",
     "CostModel",
     "ModelPreset",
@@ -78,7 +78,9 @@ class ModelPreset:
         return self.gpus * _GPU_FLOPS * _PREFILL_MFU / (2 * self.params)
 
 
-MODEL_PRESETS: dict[str, ModelPreset] = {
+# The cost-model presets of real models, by name (``aiokv replay --model``). Not the reference engine's model
+# sizes (``aiokv serve --model``): those are aiokv.serve.ENGINE_PRESETS.
+COST_PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
         ModelPreset("llama3-8b", layers=32, kv_heads=8, head_dim=128, params=8.0e9),
@@ -102,7 +104,7 @@ class CostModel:
     load_policy: str = "decide"  # "decide" or "always", as Offloader(load_policy=...)
 
     def __post_init__(self) -> None:
-        from .._planner import MODES
+        from ..rules import LOAD_MODES as MODES
 
         if not isinstance(self.load_policy, str):
             raise InvalidTypeError(f"load_policy must be a str, got {type(self.load_policy).__name__}")
@@ -119,7 +121,7 @@ class CostModel:
         with ``"always"``; with ``"decide"``, those before the first whose load is slower than recomputing,
         as the offloader's :class:`~aiokv._planner.LoadPlanner` decides it. A modelled load has no latency,
         so the decision does not depend on the run's length and is made once per tier."""
-        from .._planner import LoadPlanner, TierRun
+        from ..rules import LoadPlanner, TierRun
 
         planner = LoadPlanner(
             block_bytes,

@@ -29,8 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._errors import CapacityError, InvalidArgumentError, InvalidTypeError
-from ..tiers._index import BlockIndex
-from ..tiers._policies import make_policy, policy_names
+from ..tiers import BlockIndex, make_policy, policy_names
 from ._groups import GroupPlan, KVGroups, group_rows
 from ._model import DEFAULT_BANDWIDTHS, TTFT_FORMULA, CostModel
 from ._trace import Trace
@@ -378,7 +377,7 @@ def _run_grouped(
     before any is committed (a store never evicts its own units). A replayed request ends at its prompt's
     end, which the fill-time rule already keeps, so the finish-time rule adds nothing here.
     """
-    from .._grouprule import Retention, longest_hit, window_blocks
+    from ..rules import Retention, longest_hit, window_blocks
 
     m = len(indexes)
     bt = trace.block_tokens

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .._errors import AiokvError, InvalidArgumentError, InvalidTypeError
-from .._hashing import block_hashes, check_token_ids
+from ..rules import block_hashes, check_token_ids
 
 __all__ = [
     "MAX_HASH_IDS",

@@ -10,26 +10,38 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._errors import InvalidArgumentError
 from .._log import get_logger
-from .._units import format_size, parse_assignments, parse_size
+from .._units import format_size
+from ..tiers import TierSetting, check_tier_paths, parse_tiers
+
+# The old name of TierSetting (aiokv.serve.TierSpec warns; this private alias does not).
+TierSpec = TierSetting
 
 if TYPE_CHECKING:
     from ..engine import ModelConfig
-    from ..tiers import BackingTier, CPUTier
 
-__all__ = ["MODEL_PRESETS", "OPTIONS", "Option", "ServeConfig", "TierSpec", "check_tier_paths", "parse_tiers"]
+__all__ = [
+    "ENGINE_PRESETS",
+    "OPTIONS",
+    "Option",
+    "ServeConfig",
+    "TierSetting",
+    "TierSpec",
+    "check_tier_paths",
+    "parse_tiers",
+]
 
 _log = get_logger("serve")
 
-# Keyword arguments of aiokv.engine.ModelConfig (kept as plain data: no torch import to list them).
-MODEL_PRESETS: dict[str, dict[str, int]] = {
+# The reference engine's model sizes (``aiokv serve --model``): keyword arguments of aiokv.engine.ModelConfig,
+# kept as plain data (no torch import to list them). Not replay's cost-model presets of real models
+# (aiokv.replay.COST_PRESETS).
+ENGINE_PRESETS: dict[str, dict[str, int]] = {
     # ~0.1M parameters, 512 B of KV per token: tests and quick tries (a step takes about a millisecond).
     "tiny": dict(
         num_layers=2,
@@ -50,12 +62,9 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 _KV_SHAPE_DEFAULTS = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 32}
 _KV_ITEMSIZE = 4
 
-TIER_KINDS = ("cpu", "disk", "shm", "redis", "redis-cluster")
-_SHM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
 
 def _kv_bytes_per_token(preset: str) -> int:
-    shape = {**_KV_SHAPE_DEFAULTS, **MODEL_PRESETS[preset]}
+    shape = {**_KV_SHAPE_DEFAULTS, **ENGINE_PRESETS[preset]}
     return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * _KV_ITEMSIZE
 
 
@@ -72,137 +81,6 @@ def _physical_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
-
-
-_URL_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
-
-
-@dataclass(frozen=True, slots=True)
-class TierSpec:
-    """One parsed entry of ``--tiers``: ``cpu=SIZE``, ``disk=PATH:SIZE``, ``shm=NAME:SIZE``, ``redis=URL`` or
-    ``redis-cluster=URL`` (a ``valkey://`` / ``valkeys://`` URL is the same as ``redis://`` / ``rediss://``)."""
-
-    kind: str
-    capacity_bytes: int | None = None
-    path: str | None = None
-    url: str | None = None
-
-    def build(self) -> CPUTier | BackingTier:
-        """The real tier object (not opened)."""
-        from ..tiers import CPUTier, DiskTier, RedisTier, SharedMemoryTier
-
-        if self.kind == "cpu":
-            assert self.capacity_bytes is not None
-            return CPUTier(capacity_bytes=self.capacity_bytes)
-        if self.kind in ("disk", "shm"):
-            assert self.path is not None
-            assert self.capacity_bytes is not None
-            if self.kind == "shm":
-                return SharedMemoryTier(self.path, self.capacity_bytes)
-            path = Path(self.path)
-            if not path.exists():  # allowed by check_tier_paths(create_dirs=True)
-                try:
-                    path.mkdir(parents=True)
-                    _log.info("created the disk tier directory %s", path)
-                except OSError:
-                    pass  # DiskTier.open retries and explains the failure
-            return DiskTier(path, self.capacity_bytes)
-        assert self.url is not None
-        return RedisTier(self.url, cluster=self.kind == "redis-cluster")
-
-    def describe(self) -> str:
-        if self.kind == "cpu":
-            return f"cpu={format_size(self.capacity_bytes or 0)}"
-        if self.kind in ("disk", "shm"):
-            return f"{self.kind}={self.path}:{format_size(self.capacity_bytes or 0)}"
-        return f"{self.kind}={_redact(self.url or '')}"
-
-
-def _redact(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    _creds, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}***@{host}" if sep and at else url
-
-
-def parse_tiers(text: str) -> tuple[TierSpec, ...]:
-    """``cpu=1GiB,disk=/var/cache/aiokv:20GiB,redis=redis://host:6379/0`` -> tier specs, fastest first.
-
-    The CPU tier comes first and is required; a disk (``disk=PATH:SIZE``), a shared-memory
-    (``shm=NAME:SIZE``, see :class:`~aiokv.tiers.SharedMemoryTier`) and a Redis/Valkey tier (``redis=URL``,
-    or ``redis-cluster=URL`` for a Redis Cluster) may follow, each kind at most once. Sizes are in bytes, in
-    the grammar of :func:`aiokv.replay.parse_size` (``64GiB``, ``500MB``, plain bytes; ``64Gb`` is refused as
-    ambiguous). Only the text is checked here: :func:`check_tier_paths` checks the disk tier's directory."""
-    specs: list[TierSpec] = []
-    seen: set[str] = set()
-    for i, (name, value) in enumerate(parse_assignments(text, "tiers")):
-        if name not in TIER_KINDS:
-            raise InvalidArgumentError(
-                f"tiers must name cpu, disk, shm, redis or redis-cluster, got {name!r} in {text!r}"
-            )
-        if (name == "cpu") != (i == 0):
-            raise InvalidArgumentError(f"tiers must start with cpu=SIZE (and name it once), got {text!r}")
-        family = "redis" if name.startswith("redis") else name
-        if family in seen:
-            raise InvalidArgumentError(f"tiers must name each kind of tier at most once, got {text!r}")
-        seen.add(family)
-        if name == "cpu":
-            size = parse_size(value, what="capacity of tier 'cpu'")
-            if size is None:
-                raise InvalidArgumentError("capacity of tier 'cpu' must be finite: it is allocated up front")
-            specs.append(TierSpec("cpu", capacity_bytes=size))
-        elif name in ("disk", "shm"):
-            path, sep, size_text = value.rpartition(":")
-            what = "PATH" if name == "disk" else "NAME"
-            if not sep or not path:
-                raise InvalidArgumentError(f"{name} tier must look like {name}={what}:SIZE, got {value!r}")
-            if name == "shm" and not _SHM_NAME.fullmatch(path):  # aiokv.tiers.SharedMemoryTier's rule
-                raise InvalidArgumentError(
-                    "shm tier NAME must be 1-64 letters, digits, '.', '_' or '-' (not starting with one of the "
-                    f"last three), got {path!r}"
-                )
-            size = parse_size(size_text, what=f"capacity of tier {name!r}")
-            if size is None:
-                raise InvalidArgumentError(f"capacity of tier {name!r} must be finite, got 'inf'")
-            specs.append(TierSpec(name, capacity_bytes=size, path=path))
-        else:
-            if not value.startswith(_URL_SCHEMES):
-                raise InvalidArgumentError(
-                    f"{name} tier must be a redis://, rediss://, valkey://, valkeys:// or unix:// URL, "
-                    f"got {_redact(value)!r}"
-                )
-            if value.startswith("valkey"):  # the same protocol: redis-py speaks it under its own schemes
-                value = "redis" + value[len("valkey") :]
-            specs.append(TierSpec(name, url=value))
-    return tuple(specs)
-
-
-def check_tier_paths(specs: Sequence[TierSpec], *, create_dirs: bool, how_to_create: str) -> None:
-    """Refuse a disk tier whose directory is not one: a path that is a file, or (unless ``create_dirs``) a
-    directory that does not exist yet, which is most often a typo that would start a new, empty cache
-    elsewhere. ``how_to_create`` says in the error how to allow that ("pass --create-dirs").
-    With ``create_dirs``, :meth:`TierSpec.build` creates the directory (and its parents) and logs it."""
-    for spec in specs:
-        if spec.kind != "disk" or spec.path is None:
-            continue
-        path = Path(spec.path)
-        if path.exists() and not path.is_dir():
-            raise InvalidArgumentError(f"disk tier path {spec.path!r} exists and is not a directory")
-        fs = next((p for p in (path, *path.parents) if p.is_dir()), None)
-        if fs is not None and spec.capacity_bytes is not None:
-            st = os.statvfs(fs)
-            if 0 < st.f_blocks * st.f_frsize < spec.capacity_bytes:  # 0: a pseudo-filesystem, no size
-                raise InvalidArgumentError(
-                    f"capacity of tier 'disk' ({format_size(spec.capacity_bytes)}) is more than the filesystem "
-                    f"holding {spec.path!r} ({format_size(st.f_blocks * st.f_frsize)})"
-                )
-        if not path.exists() and not create_dirs:
-            missing = (
-                "its parent directory does not exist" if not path.parent.is_dir() else "it does not exist"
-            )
-            raise InvalidArgumentError(
-                f"disk tier directory {spec.path!r} is missing ({missing}): check the path, or "
-                f"{how_to_create} to create it"
-            )
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -233,7 +111,7 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("host", "str", "address to bind"),
     Option("port", "int", "port to bind (0: any free port, printed at start)"),
-    Option("model", "choice", "model size preset (random weights, seeded)", choices=tuple(MODEL_PRESETS)),
+    Option("model", "choice", "model size preset (random weights, seeded)", choices=tuple(ENGINE_PRESETS)),
     Option("served_model_name", "str", "the model name clients pass (default: aiokv-<preset>)"),
     Option("model_seed", "int", "seed of the model weights"),
     Option("device", "str", "torch device of the model and its KV cache (cpu, cuda, cuda:1, ...)"),
@@ -353,8 +231,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         """Every check names the field; :meth:`from_sources` turns the field into the flag or variable that
         set it. Cross-field constraints are reported against the field the user is most likely to change."""
-        if self.model not in MODEL_PRESETS:
-            raise _refuse("model", f"must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}")
+        if self.model not in ENGINE_PRESETS:
+            raise _refuse("model", f"must be one of {', '.join(ENGINE_PRESETS)}, got {self.model!r}")
         if not 0 <= self.port <= 65535:
             raise _refuse("port", f"must be in [0, 65535], got {self.port}")
         if not 0 <= self.model_seed < 1 << 64:
@@ -402,7 +280,7 @@ class ServeConfig:
                 )
             except InvalidArgumentError as exc:
                 raise _refuse("tiers", str(exc), sentence=True) from None
-            from ..tiers._policies import policy_names
+            from ..tiers import policy_names
 
             if self.eviction not in policy_names():
                 raise _refuse("eviction", f"must be one of {policy_names()}, got {self.eviction!r}")
@@ -414,14 +292,14 @@ class ServeConfig:
             if getattr(self, name) not in choices:
                 raise _refuse(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.device != "cpu":  # the default needs no torch to check
-            from ..transfer._cuda import check_device
+            from ..transfer import check_device
 
             try:
                 check_device(self.device)
             except InvalidArgumentError as exc:
                 raise _refuse("device", str(exc).removeprefix("device "), sentence=False) from None
 
-    def _check_memory(self, specs: Sequence[TierSpec]) -> None:
+    def _check_memory(self, specs: Sequence[TierSetting]) -> None:
         """The CPU tier, and the KV pool on the CPU, must fit in this machine's memory (both are allocated at
         start: an impossible size is a bad value, not an allocator traceback)."""
         memory = _physical_memory()
@@ -456,13 +334,13 @@ class ServeConfig:
         return self.num_blocks * self.block_size
 
     @property
-    def tier_specs(self) -> tuple[TierSpec, ...]:
+    def tier_specs(self) -> tuple[TierSetting, ...]:
         return parse_tiers(self.tiers) if self.offload else ()
 
     def model_config(self) -> ModelConfig:
         from ..engine import ModelConfig
 
-        return ModelConfig(**MODEL_PRESETS[self.model], seed=self.model_seed)  # type: ignore[arg-type]
+        return ModelConfig(**ENGINE_PRESETS[self.model], seed=self.model_seed)  # type: ignore[arg-type]
 
     def context_len(self, max_position: int) -> int:
         """Prompt plus completion tokens one request may have."""

@@ -39,7 +39,7 @@ from ._schema import APIError, ChoiceResult, GenerationRequest, ResponseBuilder,
 from ._tokenizer import ByteTokenizer, Detokenizer, StopMatcher
 
 if TYPE_CHECKING:
-    from .._offloader import Offloader
+    from .. import Offloader
     from ..engine import Engine, GenerationResult, TokenStream, Transformer
 
 __all__ = ["Generation", "Service", "ServiceState", "ServiceStats"]
@@ -184,7 +184,7 @@ class Service:
                     raise InvalidArgumentError(f"device {cfg.device!r} cannot be used: {exc}") from None
             cache = PagedKVCache(model.config, cfg.num_blocks, block_size=cfg.block_size, device=model.device)
             if cfg.offload:
-                from .._offloader import Offloader
+                from .. import Offloader
 
                 tiers = [spec.build() for spec in cfg.tier_specs]
                 self.offloader = await stack.enter_async_context(

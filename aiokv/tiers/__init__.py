@@ -1,5 +1,7 @@
-"""Storage tiers: the CPU tier, lower (backing) tiers and their interface, the block index, eviction policies
-and each tier's stats record. Names are imported on first use (the replay command line stays torch-free)."""
+"""Storage tiers: the CPU tier, lower (backing) tiers and their interface, the block index, eviction policies,
+each tier's stats record, and the ``--tiers`` setting (``cpu=64GiB,disk=PATH:SIZE,redis=URL``: :func:`parse_tiers`
+-> :class:`TierSetting`, which builds the tier). Names are imported on first use (the replay command line stays
+torch-free)."""
 
 import typing
 
@@ -8,7 +10,6 @@ from .. import _lazy
 if typing.TYPE_CHECKING:
     from ._base import BackingTier, TierHealth, TierSpec
     from ._cpu import CPUTier, CPUTierStats
-    from ._disk import DiskTier, DiskTierStats
     from ._faulty import FaultyTier, FaultyTierStats
     from ._index import BlockIndex, EntryState
     from ._policies import (
@@ -21,8 +22,10 @@ if typing.TYPE_CHECKING:
         policy_names,
         register_policy,
     )
-    from ._redis import RedisTier, RedisTierStats
+    from ._settings import TierSetting, check_tier_paths, parse_tiers
     from ._shm import SharedMemoryTier
+    from .disk import DiskTier, DiskTierStats
+    from .redis import RedisTier, RedisTierStats
 
 __getattr__, __dir__ = _lazy.attach(
     __name__,
@@ -32,13 +35,16 @@ __getattr__, __dir__ = _lazy.attach(
         "TierSpec": "._base",
         "CPUTier": "._cpu",
         "CPUTierStats": "._cpu",
-        "DiskTier": "._disk",
-        "DiskTierStats": "._disk",
+        "DiskTier": ".disk",
+        "DiskTierStats": ".disk",
         "FaultyTier": "._faulty",
         "FaultyTierStats": "._faulty",
-        "RedisTier": "._redis",
-        "RedisTierStats": "._redis",
+        "RedisTier": ".redis",
+        "RedisTierStats": ".redis",
         "SharedMemoryTier": "._shm",
+        "TierSetting": "._settings",
+        "check_tier_paths": "._settings",
+        "parse_tiers": "._settings",
         "BlockIndex": "._index",
         "EntryState": "._index",
         "ARCPolicy": "._policies",
@@ -71,8 +77,11 @@ __all__ = [
     "SessionPolicy",
     "SharedMemoryTier",
     "TierHealth",
+    "TierSetting",
     "TierSpec",
+    "check_tier_paths",
     "make_policy",
+    "parse_tiers",
     "policy_names",
     "register_policy",
 ]

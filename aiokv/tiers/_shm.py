@@ -6,7 +6,7 @@ used by all of them would be cached N times and a conversation that moves to ano
 memory filesystem (tmpfs), every process maps the same catalog, and a block stored by one process is staged
 by the others with one memcpy (``preadv`` from the page cache) and the usual verification. Everything else --
 set-associative LRU across processes, reclaiming slots of writers that died, never serving a torn entry -- is
-the shared DiskTier's (see :mod:`aiokv.tiers._disk` and :mod:`aiokv.tiers._catalog`).
+the shared DiskTier's (see :mod:`aiokv.tiers.disk` and :mod:`aiokv.tiers._catalog`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from .._errors import InvalidArgumentError, InvalidTypeError
-from ._disk import DiskTier
+from .disk import DiskTier
 
 __all__ = ["SharedMemoryTier"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import statistics
 import threading
@@ -38,8 +39,13 @@ except ImportError:  # pragma: no cover - exercised only without a C compiler
     _native_copy = None  # type: ignore[assignment]
     _CopyJob = None  # type: ignore[assignment,misc]
     HAVE_NATIVE = False
+if os.environ.get("AIOKV_NATIVE_COPY", "1") == "0":  # the checked Python copy (to compare, or to rule C out)
+    _native_copy = None  # type: ignore[assignment]
+    _CopyJob = None  # type: ignore[assignment,misc]
+    HAVE_NATIVE = False
 
 Int64Array = npt.NDArray[np.int64]
+_MAX_GROUP = 16  # the kernel's limit on interleaved runs (MAX_GROUP in _copy.c)
 
 
 def tensor_bytes(t: torch.Tensor, start: int = 0, length: int | None = None) -> npt.NDArray[np.uint8]:
@@ -289,7 +295,9 @@ def copy_segments(
             512,
             -1 if stream is None else int(stream),
         )
-    else:  # pragma: no cover
+    else:  # no C compiler at install, or AIOKV_NATIVE_COPY=0
+        if not 1 <= group <= _MAX_GROUP:
+            raise ValueError(f"group must be in [1, {_MAX_GROUP}], got {group}")
         _python_copy(dst, src, nbytes)
 
 

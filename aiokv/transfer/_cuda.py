@@ -26,6 +26,7 @@ __all__ = ["CudaDevice", "check_device", "cuda_available"]
 
 
 def cuda_available() -> bool:
+    """Whether this torch build and this machine can use CUDA (no context is created)."""
     return torch.cuda.is_available()
 
 

@@ -71,8 +71,7 @@ class ConnectorConfig:
     ``"aiokv"`` logger itself."""
 
     def __post_init__(self) -> None:
-        from ..serve._config import check_tier_paths, parse_tiers
-        from ..tiers._policies import policy_names
+        from ..tiers import check_tier_paths, parse_tiers, policy_names
 
         _check_str("tiers", self.tiers)
         if not isinstance(self.create_dirs, bool):

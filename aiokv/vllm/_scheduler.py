@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._groups import NO_BLOCK
+from .. import NO_BLOCK
 from ._block_table import GroupBlockTables, block_ids_of, from_vllm_ids, vllm_groups
 from ._meta import AiokvConnectorMetadata, AiokvWorkerMetadata, DropJob, EndJob, LoadJob, LookupJob, StepJob
 

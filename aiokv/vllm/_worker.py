@@ -39,7 +39,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from .._bridge import call_in_loop
+from ..bridge import call_in_loop
 from ._block_table import VllmGroup, vllm_groups
 from ._meta import AiokvConnectorMetadata, AiokvWorkerMetadata, EndJob, LoadJob, LookupJob, StepJob
 
@@ -48,8 +48,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from .._offloader import Offloader
-    from .._request import Request
+    from .. import Offloader, Request
     from ._config import ConnectorConfig
 
 __all__ = ["WorkerSide", "build_grouped_layout", "build_layout"]
@@ -66,8 +65,8 @@ def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size
     each layer's cache is viewed as ``(num_blocks, bytes per block)`` raw bytes (vLLM's offloading worker
     reads them the same way), so a block's KV is one contiguous run of bytes per layer. Layers that alias
     the same bytes (caches overlaid by vLLM) are taken once."""
+    from .. import KVLayout
     from .._errors import InvalidLayoutError
-    from .._layout import KVLayout
 
     views: list[torch.Tensor] = []
     seen: set[tuple[int, tuple[int, ...]]] = set()
@@ -93,9 +92,8 @@ def build_grouped_layout(
     :func:`build_layout`). vLLM's hybrid allocator overlays the groups (a sliding-window layer and a
     full-attention layer share one buffer, each group using its own block ids of it): such layers get the very
     same view in both groups, which aiokv allows (it keeps each group's block ids apart)."""
+    from .. import KVGroup, KVLayout
     from .._errors import InvalidLayoutError
-    from .._groups import KVGroup
-    from .._layout import KVLayout
 
     shared: dict[tuple[int, tuple[int, int]], torch.Tensor] = {}
     kv_groups: list[KVGroup] = []
@@ -204,7 +202,7 @@ class WorkerSide:
         self._portal = self._portal_cm.__enter__()
         compute_stream = None
         if layout.is_cuda:  # pragma: no cover - needs a GPU
-            from ..transfer._cuda import CudaDevice
+            from ..transfer import CudaDevice
 
             # vLLM's forward runs on this thread's current stream: aiokv's copies are ordered against it.
             compute_stream = CudaDevice(layout.device).current_stream()
@@ -221,8 +219,8 @@ class WorkerSide:
         _log.info("aiokv worker ready: %s, tiers %s", layout.describe(), self.config.tiers)
 
     async def _start(self, layout: Any, compute_stream: Any) -> None:
-        from .._offloader import Offloader
-        from ..serve._config import parse_tiers
+        from .. import Offloader
+        from ..tiers import parse_tiers
 
         cfg = self.config
         tiers = [spec.build() for spec in parse_tiers(cfg.tiers)]
@@ -438,7 +436,7 @@ class WorkerSide:
     def _catch_up(self, req: Request, tokens: list[int], computed: int, blocks: Any) -> None:
         """Apply a step, claiming no more computed tokens than the worker knows tokens of (vLLM's asynchronous
         scheduling reports a step before its sampled token: that block is stored by a later step)."""
-        from .._request import RequestState
+        from .. import RequestState
 
         if req.state in (RequestState.FINISHING, RequestState.FINISHED, RequestState.ABORTED):
             return
@@ -527,7 +525,7 @@ class WorkerSide:
             self._catch_up(req, job.new_tokens, job.num_computed_tokens, [])
         except Exception:
             self._poison(req, job.req_id)
-        from .._request import RequestState
+        from .. import RequestState
 
         if req.state in (RequestState.FINISHING, RequestState.FINISHED, RequestState.ABORTED):
             await _quietly(req.abort())  # resolves once its copies are done
@@ -543,7 +541,7 @@ class WorkerSide:
             if job.report:
                 self._report(self._sent_done, job.req_id)
             return fence
-        from .._request import RequestState
+        from .. import RequestState
 
         ending: Any
         try:

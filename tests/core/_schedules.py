@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiokv
+import aiokv.tiers
 from aiokv import CPUTier, Offloader
 from aiokv.transfer import SimulatedDevice
 
@@ -118,7 +119,7 @@ async def run_schedule(seed: int, gate: Gate | None = None, *, device: bool = Fa
         g = gate
     roomy = rng.random() < 0.4
     cap = 256 if roomy else rng.choice([2, 3, 5, 8])
-    eviction = rng.choice(aiokv.policy_names())
+    eviction = rng.choice(aiokv.tiers.policy_names())
     bases = [[rng.randrange(40) for _ in range(rng.randint(4, 14))] for _ in range(3)]
     finished: list[tuple[list[int], int]] = []
     checked_loads = 0

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 import aiokv
+import aiokv.transfer
 
 GARBAGE = -7.0
 MOD = 1 << 23
@@ -117,7 +118,7 @@ class Gate:
             if not self._open:
                 self._permits -= 1
 
-    def install(self, monkeypatch: object, executor_cls: type = aiokv.TransferExecutor) -> None:
+    def install(self, monkeypatch: object, executor_cls: type = aiokv.transfer.TransferExecutor) -> None:
         orig_store = executor_cls._copy_store
         orig_load = executor_cls._copy_load
         gate = self

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import aiokv
-from aiokv import CPUTier, InvalidArgumentError, InvalidTypeError, Offloader, TransferExecutor
+from aiokv import CPUTier, InvalidArgumentError, InvalidTypeError, Offloader
 from aiokv._offloader import _WriteThrough
 from aiokv.tiers._lanes import LanePool
-from aiokv.transfer import SimulatedDevice
+from aiokv.transfer import SimulatedDevice, TransferExecutor
 
 from ._sim import SimEngine, running_hashes
 from .test_hierarchy import MemoryTier, _off, _publish, _serve

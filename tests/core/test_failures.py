@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import aiokv
-from aiokv import CPUTier, FaultyTier, Offloader, RequestState
+import aiokv.transfer
+from aiokv import CPUTier, Offloader, RequestState
+from aiokv.testing import FaultyTier
 from aiokv.tiers import DiskTier
 
 from ..tiers._memory import MemoryTier
@@ -71,12 +73,12 @@ async def test_a_failed_load_copy_is_a_miss_not_an_exception(
     prompt = list(range(9))
     async with _offloader(eng) as off:
         kv = await _serve(eng, off, "seed", prompt)
-        real = aiokv.TransferExecutor._copy_load
+        real = aiokv.transfer.TransferExecutor._copy_load
 
         def broken(self: object, a: object, b: object) -> None:
             raise OSError("injected load copy failure")
 
-        monkeypatch.setattr(aiokv.TransferExecutor, "_copy_load", broken)
+        monkeypatch.setattr(aiokv.transfer.TransferExecutor, "_copy_load", broken)
         req = off.open("r", prompt)
         assert await req.lookup() == 8
         dst = eng.alloc(3)
@@ -96,7 +98,7 @@ async def test_a_failed_load_copy_is_a_miss_not_an_exception(
         req.step(9, new_token_ids=[1], new_block_ids=dst[2:])
         await req.finish()
         eng.release(dst)
-        monkeypatch.setattr(aiokv.TransferExecutor, "_copy_load", real)
+        monkeypatch.setattr(aiokv.transfer.TransferExecutor, "_copy_load", real)
         probe = off.open("probe", prompt)
         assert await probe.lookup() == 8
         dst = eng.alloc(2)
@@ -115,16 +117,16 @@ async def test_a_load_that_cannot_be_submitted_releases_its_pins_at_once(
     prompt = list(range(9))
     async with _offloader(eng) as off:
         await _serve(eng, off, "seed", prompt)
-        real = aiokv.TransferExecutor._submit
+        real = aiokv.transfer.TransferExecutor._submit
 
         def refuse_loads(
-            self: aiokv.TransferExecutor, kind: str, *args: Any, **kw: Any
-        ) -> aiokv.TransferFuture:
+            self: aiokv.transfer.TransferExecutor, kind: str, *args: Any, **kw: Any
+        ) -> aiokv.transfer.TransferFuture:
             if kind == "load":
                 raise RuntimeError("injected submission failure")
             return real(self, kind, *args, **kw)
 
-        monkeypatch.setattr(aiokv.TransferExecutor, "_submit", refuse_loads)
+        monkeypatch.setattr(aiokv.transfer.TransferExecutor, "_submit", refuse_loads)
         req = off.open("r", prompt)
         assert await req.lookup() == 8
         assert off.cpu.stats().pinned == 2
@@ -147,10 +149,12 @@ async def test_a_store_that_cannot_be_submitted_releases_its_reservations(
     request storing those blocks stores them."""
     eng = SimEngine(block_size=BS)
     prompt = list(range(9))
-    real = aiokv.TransferExecutor._submit
+    real = aiokv.transfer.TransferExecutor._submit
     failures = [1]
 
-    def refuse_once(self: aiokv.TransferExecutor, kind: str, *args: Any, **kw: Any) -> aiokv.TransferFuture:
+    def refuse_once(
+        self: aiokv.transfer.TransferExecutor, kind: str, *args: Any, **kw: Any
+    ) -> aiokv.transfer.TransferFuture:
         if kind == "store" and failures:
             failures.pop()
             raise RuntimeError("injected submission failure")
@@ -160,7 +164,7 @@ async def test_a_store_that_cannot_be_submitted_releases_its_reservations(
     asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: reported.append(ctx))
     try:
         async with _offloader(eng) as off:
-            monkeypatch.setattr(aiokv.TransferExecutor, "_submit", refuse_once)
+            monkeypatch.setattr(aiokv.transfer.TransferExecutor, "_submit", refuse_once)
             await _serve(eng, off, "a", prompt)
             s = off.stats()
             assert (s.store_errors, s.blocks_stored) == (1, 0)

@@ -25,7 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiokv
-from aiokv import AiokvError, CPUTier, FaultyTier, Offloader, RequestState
+import aiokv.tiers
+from aiokv import AiokvError, CPUTier, Offloader, RequestState
+from aiokv.testing import FaultyTier
 from aiokv.tiers import DiskTier
 
 from ..tiers._memory import MemoryTier
@@ -417,7 +419,7 @@ async def test_random_api_sequences_keep_every_invariant(data: st.DataObject) ->
                 ),
                 *lower,
             ],
-            eviction=data.draw(st.sampled_from(aiokv.policy_names()), label="eviction"),
+            eviction=data.draw(st.sampled_from(aiokv.tiers.policy_names()), label="eviction"),
             store_partial_last_block=data.draw(st.booleans(), label="partial"),
             copy_threads=1,
             kv_events=data.draw(st.booleans(), label="kv_events"),

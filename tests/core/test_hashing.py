@@ -18,8 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiokv import NONE_ROOT, InvalidArgumentError, InvalidTypeError, KVLayout, block_hashes, make_root
+from aiokv import InvalidArgumentError, InvalidTypeError, KVLayout, block_hashes
 from aiokv._hashing import check_token_ids
+from aiokv.rules import NONE_ROOT, make_root
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pytest
 
 import aiokv
-from aiokv import BackingTier, CPUTier, Offloader, TierSpec
+from aiokv import CPUTier, Offloader
+from aiokv.tiers import BackingTier, TierSpec
 
 from ._sim import SimEngine, running_hashes
 

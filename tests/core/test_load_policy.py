@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 import aiokv
-from aiokv import BackingTier, CPUTier, Offloader, TierSpec
+from aiokv import CPUTier, Offloader
+from aiokv.tiers import BackingTier, TierSpec
 
 from ._sim import SimEngine, running_hashes
 from .test_hierarchy import MemoryTier, _serve

@@ -1,14 +1,17 @@
-"""``Request.step``'s C fast path (aiokv/_native/_step.c) held to the Python method, the definition.
+"""The step rules have one definition, ``Request._apply_step_general`` (the checked path); the two fast paths
+that decide plain steps inline, C (aiokv/_native/_step.c) and Python (the head of ``Request.step``), are held
+to it here.
 
 Hypothesis drives random step sequences, valid and invalid (wrong types, negative or decreasing counts, more
 tokens than known, too many or repeated or foreign blocks, bools, numpy ints and arrays, tensors, lists and
-tuples, positional and keyword calls), through two requests on two offloaders: one through the installed
-``Request.step`` (the C path when built), one through the Python function it wraps, called directly. After
-every call both must agree: the same exception (type and message) or none, the same state, tokens, block table
-and computed count, the same stores queued; at the end the same KV events and the same stored blocks.
+tuples, positional and keyword calls), through three requests on three offloaders: one through the installed
+``Request.step`` (the C path when built), one through the Python function it wraps, called directly, and one
+through the checked path alone. After every call all three must agree: the same exception (type and message)
+or none, the same state, tokens, block table and computed count, the same stores queued; at the end the same
+KV events and the same stored blocks.
 
-With ``AIOKV_NATIVE_STEP=0`` both sides run the Python method (the test still runs: it then checks that the
-two offloaders are deterministic, and the CI leg that sets it runs the rest of the suite on the Python path).
+With ``AIOKV_NATIVE_STEP=0`` the first two run the Python method (the test still holds it to the checked path,
+and the CI leg that sets it runs the rest of the suite on the Python path).
 """
 
 from __future__ import annotations
@@ -171,24 +174,31 @@ def _installed(req: aiokv.Request, *args: Any, **kwargs: Any) -> None:
     req.step(*args, **kwargs)  # through the class attribute: the C descriptor when built
 
 
+def _general(
+    req: aiokv.Request, num_computed_tokens: Any, new_token_ids: Any = (), new_block_ids: Any = ()
+) -> None:
+    """The checked path alone: the definition of the step rules, which both fast paths defer to in doubt."""
+    req._apply_step_general(num_computed_tokens, new_token_ids, new_block_ids)
+
+
 async def _run(data: st.DataObject) -> None:
     prompt = data.draw(st.lists(st.integers(0, 99), min_size=1, max_size=3 * BS), label="prompt")
     offs = []
-    for _ in range(2):
+    for _ in range(3):
         eng = SimEngine(block_size=BS, num_blocks=NB)
         offs.append(
             Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=NB * eng.layout.slot_bytes)], kv_events=True)
         )
-    off_c, off_py = offs
-    async with off_c, off_py:
-        req_c, req_py = off_c.open("r", prompt), off_py.open("r", prompt)
+    off_c, off_py, off_gen = offs
+    async with off_c, off_py, off_gen:
+        req_c, req_py, req_gen = off_c.open("r", prompt), off_py.open("r", prompt), off_gen.open("r", prompt)
         for _ in range(data.draw(st.integers(1, 25), label="steps")):
             op = data.draw(st.sampled_from(["step"] * 8 + ["append_tokens"]))
             if op == "append_tokens":
                 toks = data.draw(tokens())
                 got = [
                     _outcome(lambda r=r, t=t: r.append_tokens(t))
-                    for r, t in ((req_c, toks), (req_py, copy.deepcopy(toks)))
+                    for r, t in ((req_c, toks), (req_py, copy.deepcopy(toks)), (req_gen, copy.deepcopy(toks)))
                 ]
             else:
                 if data.draw(st.integers(0, 9)) < 6:  # an engine's step, at and around every bound
@@ -200,20 +210,22 @@ async def _run(data: st.DataObject) -> None:
                 )
                 args = (how, n, toks, ids)
                 copies = (how, *copy.deepcopy((n, toks, ids)))
+                again = (how, *copy.deepcopy((n, toks, ids)))
                 got = [
                     _outcome(lambda a=args: _call(_installed, req_c, *a)),
                     _outcome(lambda a=copies: _call(PY_STEP, req_py, *a)),
+                    _outcome(lambda a=again: _call(_general, req_gen, *a)),
                 ]
-            assert got[0] == got[1]
-            assert _state(req_c) == _state(req_py)
-            assert _counters(off_c) == _counters(off_py)
-        await asyncio.gather(req_c.finish(), req_py.finish())
-        await asyncio.gather(off_c.flush(), off_py.flush())
-        assert _counters(off_c) == _counters(off_py)
-        log_c, log_py = off_c.event_log, off_py.event_log
-        assert log_c is not None
-        assert log_py is not None
-        assert [e[:-1] for e in log_c._events] == [e[:-1] for e in log_py._events]  # the last field: a time
+            assert got[0] == got[1] == got[2]
+            assert _state(req_c) == _state(req_py) == _state(req_gen)
+            assert _counters(off_c) == _counters(off_py) == _counters(off_gen)
+        await asyncio.gather(req_c.finish(), req_py.finish(), req_gen.finish())
+        await asyncio.gather(off_c.flush(), off_py.flush(), off_gen.flush())
+        assert _counters(off_c) == _counters(off_py) == _counters(off_gen)
+        logs = [off.event_log for off in (off_c, off_py, off_gen)]
+        assert all(log is not None for log in logs)
+        events = [[e[:-1] for e in log._events] for log in logs if log is not None]  # the last field: a time
+        assert events[0] == events[1] == events[2]
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

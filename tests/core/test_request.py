@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 import aiokv
+import aiokv.transfer
 from aiokv import CPUTier, Offloader, RequestState
 
 from ._schedules import run_schedule
@@ -171,7 +172,7 @@ async def test_failed_store_is_never_visible(monkeypatch: pytest.MonkeyPatch) ->
     def broken(self: object, a: object, b: object) -> None:
         raise OSError("injected copy failure")
 
-    monkeypatch.setattr(aiokv.TransferExecutor, "_copy_store", broken)
+    monkeypatch.setattr(aiokv.transfer.TransferExecutor, "_copy_store", broken)
     eng = SimEngine(block_size=4)
     async with _offloader(eng) as off:
         req = off.open("a", list(range(9)))
@@ -238,15 +239,17 @@ async def test_cancelled_load_after_submission_keeps_blocks_guarded(monkeypatch:
         dst = eng.alloc(2)
         assert dst is not None
         submitted = asyncio.Event()
-        orig = aiokv.TransferExecutor._submit
+        orig = aiokv.transfer.TransferExecutor._submit
 
-        def spy(self: aiokv.TransferExecutor, kind: str, *args: Any, **kw: Any) -> aiokv.TransferFuture:
+        def spy(
+            self: aiokv.transfer.TransferExecutor, kind: str, *args: Any, **kw: Any
+        ) -> aiokv.transfer.TransferFuture:
             tf = orig(self, kind, *args, **kw)
             if kind == "load":
                 submitted.set()
             return tf
 
-        monkeypatch.setattr(aiokv.TransferExecutor, "_submit", spy)
+        monkeypatch.setattr(aiokv.transfer.TransferExecutor, "_submit", spy)
         loading = asyncio.ensure_future(_wait(req.load(dst)))
         await submitted.wait()  # the request task has put the copy on its stream
         loading.cancel()

@@ -9,8 +9,8 @@ import pytest
 
 import aiokv
 from aiokv import CPUTier, Offloader
-from aiokv.tiers._disk import DiskTier
 from aiokv.tiers._format import HEADER_SIZE
+from aiokv.tiers.disk import DiskTier
 
 from ._sim import SimEngine
 from .test_request import _prefill_and_decode

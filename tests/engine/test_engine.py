@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import aiokv
+import aiokv.testing
 from aiokv.engine import Engine, EngineStats, PagedKVCache, Transformer
 from aiokv.transfer import SimulatedDevice
 
@@ -238,7 +239,7 @@ class _Gate:
 
 
 class _GatedHandle:
-    def __init__(self, gate: _Gate, handle: aiokv.RequestHandle) -> None:
+    def __init__(self, gate: _Gate, handle: aiokv.Request) -> None:
         self._gate = gate
         self._h = handle
 
@@ -651,7 +652,7 @@ async def test_failed_and_corrupt_loads_are_recomputed_and_outputs_match(
     cold, _, _, _ = await _run(tiny_model, 20, offload=False, **workload)
 
     cache = PagedKVCache(tiny_model.config, 20)
-    lower = aiokv.FaultyTier(MemoryTier(), read_fail_rate=0.2, corrupt_rate=0.2, seed=seed)
+    lower = aiokv.testing.FaultyTier(MemoryTier(), read_fail_rate=0.2, corrupt_rate=0.2, seed=seed)
     # Every hit restored (the planner, timed on this shared machine, could skip the loads that carry the
     # faults; it is tested on its own).
     off = aiokv.Offloader(
@@ -699,3 +700,24 @@ async def test_the_engine_reports_its_prefill_speed_to_the_load_planner(tiny_mod
     assert stats.load_policy == "decide"
     assert stats.prefill_tokens_per_s is not None
     assert stats.prefill_tokens_per_s > 0
+
+
+@pytest.mark.asyncio
+async def test_the_lifecycle_is_an_enum_shown_in_repr(tiny_model: Transformer) -> None:
+    from aiokv.engine import EngineState
+
+    engine = Engine(tiny_model, PagedKVCache(tiny_model.config, num_blocks=8, block_size=4))
+    assert engine.state is EngineState.NEW
+    assert repr(engine).startswith("<Engine NEW recompute")
+    async with engine:
+        assert engine.state is EngineState.RUNNING
+        assert repr(engine).startswith("<Engine RUNNING recompute")
+        with pytest.raises(aiokv.ClosedError, match="cannot be started twice \\(it is running\\)"):
+            await engine.start()
+    assert engine.state is EngineState.CLOSED
+    assert repr(engine).startswith("<Engine CLOSED")
+    with pytest.raises(aiokv.ClosedError, match="engine is closed"):
+        await engine.generate([1, 2, 3], max_tokens=1)
+    never = Engine(tiny_model, PagedKVCache(tiny_model.config, num_blocks=8, block_size=4))
+    await never.aclose()
+    assert never.state is EngineState.CLOSED

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 import aiokv
-from aiokv import CPUTier, DiskTier, FaultyTier, Offloader
+from aiokv import CPUTier, DiskTier, Offloader
 from aiokv.events import EventKind, KVEventLog
+from aiokv.testing import FaultyTier
 
 from ..core._sim import SimEngine, running_hashes
 from ._consumer import Consumer, meta, tier_contents

@@ -10,7 +10,7 @@ import pytest
 from aiokv import block_hashes
 from aiokv._errors import InvalidArgumentError
 from aiokv.replay import (
-    MODEL_PRESETS,
+    COST_PRESETS,
     Trace,
     TraceRequest,
     format_size,
@@ -183,7 +183,7 @@ def test_parse_bandwidth_and_format_size() -> None:
 
 def test_model_presets_kv_bytes_per_token() -> None:
     # layers * kv_heads * head_dim * 2 (K, V) * 2 bytes (bf16)
-    assert MODEL_PRESETS["llama3-8b"].kv_bytes_per_token == 32 * 8 * 128 * 2 * 2 == 131072
-    assert MODEL_PRESETS["llama3-70b"].kv_bytes_per_token == 80 * 8 * 128 * 2 * 2
-    assert MODEL_PRESETS["qwen2-7b"].kv_bytes_per_token == 28 * 4 * 128 * 2 * 2
-    assert 10_000 < MODEL_PRESETS["llama3-8b"].prefill_tokens_per_s < 50_000
+    assert COST_PRESETS["llama3-8b"].kv_bytes_per_token == 32 * 8 * 128 * 2 * 2 == 131072
+    assert COST_PRESETS["llama3-70b"].kv_bytes_per_token == 80 * 8 * 128 * 2 * 2
+    assert COST_PRESETS["qwen2-7b"].kv_bytes_per_token == 28 * 4 * 128 * 2 * 2
+    assert 10_000 < COST_PRESETS["llama3-8b"].prefill_tokens_per_s < 50_000

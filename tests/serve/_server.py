@@ -13,13 +13,12 @@ import torch
 
 from aiokv._bridge import call_in_loop
 from aiokv.engine import ModelConfig, SeqChunk, Transformer
-from aiokv.serve import ServeConfig, ServerHandle, Service
-from aiokv.serve._config import MODEL_PRESETS
+from aiokv.serve import ENGINE_PRESETS, ServeConfig, ServerHandle, Service
 from aiokv.serve._runner import bind, serve
 
 T = TypeVar("T")
 
-TINY = ModelConfig(**MODEL_PRESETS["tiny"])  # the model `aiokv serve --model tiny` runs
+TINY = ModelConfig(**ENGINE_PRESETS["tiny"])  # the model `aiokv serve --model tiny` runs
 START_TIMEOUT = 60.0
 
 

@@ -250,7 +250,7 @@ def test_create_dirs_creates_the_disk_directory_and_logs_it(
     [config] = runs
     assert config.create_dirs
     assert not path.exists()  # nothing is created before the tiers are built
-    with caplog.at_level(logging.INFO, logger="aiokv.serve"):
+    with caplog.at_level(logging.INFO, logger="aiokv.tiers"):  # TierSetting.build logs it
         disk = config.tier_specs[1].build()
     assert path.is_dir()
     assert str(getattr(disk, "path", "")) == str(path)
@@ -262,12 +262,13 @@ def test_create_dirs_creates_the_disk_directory_and_logs_it(
 def test_the_checks_without_torch_match_the_real_rules() -> None:
     """The configuration checks sizes and names before anything heavy is imported: its copies of the
     model's KV shape and of the shared-memory tier's name rule must stay the real ones."""
-    from aiokv.serve._config import _SHM_NAME, MODEL_PRESETS
+    from aiokv.serve._config import ENGINE_PRESETS
+    from aiokv.tiers._settings import _SHM_NAME
     from aiokv.tiers._shm import _NAME
 
     assert _SHM_NAME.pattern == _NAME.pattern
 
-    for preset in MODEL_PRESETS:
+    for preset in ENGINE_PRESETS:
         assert _kv_bytes_per_token(preset) == ServeConfig(model=preset).model_config().bytes_per_token
 
 

@@ -33,8 +33,8 @@ from typing import Any
 
 from aiokv import CPUTier, Offloader
 from aiokv.tiers import DiskTier, SharedMemoryTier
-from aiokv.tiers import _disk as disk_mod
 from aiokv.tiers._format import HEADER_SIZE, pack_header
+from aiokv.tiers.disk import _files as disk_files
 
 from .test_hierarchy_e2e import Engine, prompt, serve
 
@@ -89,7 +89,7 @@ def tear_stores() -> None:
         reply({"mid_store": os.getpid(), "slots": len(slots)})
         threading.Event().wait()  # blocked in the store until SIGKILL
 
-    disk_mod._Files.write = torn_write  # type: ignore[method-assign]
+    disk_files._Files.write = torn_write  # type: ignore[method-assign]
 
 
 def make_tier(kind: str, path: Path, capacity_bytes: int) -> DiskTier:

@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 
 from aiokv._errors import CapacityError, ClosedError, InvalidArgumentError, TierLockedError
-from aiokv.tiers import _disk
-from aiokv.tiers import _disk as disk_mod
 from aiokv.tiers._base import TierSpec
-from aiokv.tiers._disk import LOCK_NAME, META_NAME, DiskTier
 from aiokv.tiers._format import HEADER_SIZE, TierHealth
+from aiokv.tiers.disk import DiskTier
+from aiokv.tiers.disk import _files as disk_files
+from aiokv.tiers.disk import _tier as disk_tier
+from aiokv.tiers.disk._files import LOCK_NAME, META_NAME
 
 from . import _entries as entries
 from ._entries import FP, RunPy
@@ -208,15 +209,15 @@ async def test_warm_reads_split_over_io_threads_keep_prefix_semantics(
 ) -> None:
     """Entries in the page cache are read by several I/O threads at once; the result is still the verified
     leading run, and a corrupt entry in a later part stops the count exactly there."""
-    monkeypatch.setattr(disk_mod, "_SPLIT_BYTES", 2 * PB)  # split even these small reads
+    monkeypatch.setattr(disk_tier, "_SPLIT_BYTES", 2 * PB)  # split even these small reads
     calls: list[int] = []
-    real_read = disk_mod._Files.read
+    real_read = disk_files._Files.read
 
     def spy(self: Any, slots: list[int], keys: list[bytes], outs: Any) -> Any:
         calls.append(len(slots))
         return real_read(self, slots, keys, outs)
 
-    monkeypatch.setattr(disk_mod._Files, "read", spy)
+    monkeypatch.setattr(disk_files._Files, "read", spy)
     keys, data = make_keys(8), make_payloads(8)
     tier = await open_tier(tmp_path)
     assert await tier.write(keys, data) == 8  # just written: in the page cache
@@ -343,7 +344,7 @@ _LOCK_PROBE = """
 import asyncio, hashlib, sys
 from aiokv._errors import TierLockedError
 from aiokv.tiers._base import TierSpec
-from aiokv.tiers._disk import DiskTier
+from aiokv.tiers.disk import DiskTier
 
 async def main():
     tier = DiskTier(sys.argv[1], 16 * 12288)
@@ -498,7 +499,7 @@ async def test_cancelled_write_waits_for_its_thread_and_keeps_the_index_consiste
 _FSIZE_PROBE = """
 import asyncio, hashlib, resource, signal, sys
 from aiokv.tiers._base import TierSpec
-from aiokv.tiers._disk import DiskTier
+from aiokv.tiers.disk import DiskTier
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 limit = 10 * 12288
@@ -578,7 +579,7 @@ async def test_full_filesystem_drops_writes_without_crashing(tiny_tmpfs: Path) -
 def split_batches(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Run a test with stored batches written by one thread, then spread over several I/O threads."""
     if request.param == "split":
-        monkeypatch.setattr(_disk, "_SPLIT_BYTES", 1)
+        monkeypatch.setattr(disk_tier, "_SPLIT_BYTES", 1)
         return True
     return False
 

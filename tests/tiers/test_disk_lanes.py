@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from aiokv.tiers import _disk as disk_mod
-from aiokv.tiers._disk import DiskTier
 from aiokv.tiers._format import HEADER_SIZE
+from aiokv.tiers.disk import DiskTier
+from aiokv.tiers.disk import _files as disk_files
 
 from . import _entries as entries
 
@@ -40,14 +40,14 @@ async def test_a_read_completes_while_every_write_thread_is_stuck(
     assert await tier.write(keys, data) == 4
     gate = threading.Event()
     stuck = threading.Semaphore(0)
-    real_write = disk_mod._Files.write
+    real_write = disk_files._Files.write
 
     def held_write(self: Any, *args: Any) -> Any:
         stuck.release()
         assert gate.wait(GATE_TIMEOUT_S), "write gate never opened"
         return real_write(self, *args)
 
-    monkeypatch.setattr(disk_mod._Files, "write", held_write)
+    monkeypatch.setattr(disk_files._Files, "write", held_write)
     more = entries.keys(32, tag="later")
     writes = [
         asyncio.ensure_future(tier.write(more[i : i + 8], entries.payloads(8, PB, seed=i)))

@@ -16,8 +16,9 @@ import torch
 import aiokv
 from aiokv._errors import ClosedError
 from aiokv.tiers._base import TierSpec
-from aiokv.tiers._disk import LOCK_NAME, META_NAME, DiskTier
 from aiokv.tiers._format import TierHealth
+from aiokv.tiers.disk import DiskTier
+from aiokv.tiers.disk._files import LOCK_NAME, META_NAME
 
 from . import _entries as entries
 from .conftest import fill_blocks, fill_inodes

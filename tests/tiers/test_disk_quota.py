@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from aiokv._errors import InvalidArgumentError, InvalidTypeError
-from aiokv.tiers._disk import DiskTier
 from aiokv.tiers._format import HEADER_SIZE
+from aiokv.tiers.disk import DiskTier
 
 from . import _entries as entries
 

@@ -14,11 +14,12 @@ import pytest
 
 from aiokv._errors import InvalidArgumentError, TierLockedError
 from aiokv.tiers import SharedMemoryTier
-from aiokv.tiers import _disk as disk_mod
 from aiokv.tiers._base import TierSpec
 from aiokv.tiers._catalog import READY, WRITING, SharedCatalog
-from aiokv.tiers._disk import CATALOG_NAME, DiskTier
 from aiokv.tiers._format import HEADER_SIZE, TierHealth
+from aiokv.tiers.disk import DiskTier
+from aiokv.tiers.disk import _files as disk_files
+from aiokv.tiers.disk._files import CATALOG_NAME
 
 from . import _entries as entries
 
@@ -136,7 +137,7 @@ async def test_an_entry_replaced_during_a_read_is_a_miss_not_corruption(
     files_a = a._files
     assert catalog_a is not None
     assert files_a is not None
-    real_read = disk_mod._Files.read
+    real_read = disk_files._Files.read
 
     def read_after_a_replaced_it(self: Any, slots: list[int], keys: list[bytes], outs: Any) -> Any:
         assert catalog_a.try_lock()
@@ -146,7 +147,7 @@ async def test_an_entry_replaced_during_a_read_is_a_miss_not_corruption(
         catalog_a.unlock()
         return real_read(self, slots, keys, outs)
 
-    monkeypatch.setattr(disk_mod._Files, "read", read_after_a_replaced_it)
+    monkeypatch.setattr(disk_files._Files, "read", read_after_a_replaced_it)
     assert await b.read_into([k1], entries.outs(1, PB)) == 0
     monkeypatch.undo()
     stats = b.stats()

@@ -20,8 +20,8 @@ from aiokv import tiers as tiers_pkg
 from aiokv._errors import ClosedError, InvalidArgumentError, InvalidTypeError
 from aiokv.tiers import FaultyTier, FaultyTierStats
 from aiokv.tiers._base import BackingTier, TierSpec
-from aiokv.tiers._disk import DiskTier
 from aiokv.tiers._format import HEADER_SIZE, TierHealth, Verdict, check_entry, check_header, pack_header
+from aiokv.tiers.disk import DiskTier
 
 from . import _entries as entries
 from ._entries import FP
@@ -555,7 +555,7 @@ async def test_concurrent_faulty_workload_never_returns_wrong_bytes(
 
 @pytest_asyncio.fixture
 async def redis_tier(redis_server: Any, namespace: str) -> AsyncIterator[Any]:
-    from aiokv.tiers._redis import RedisTier
+    from aiokv.tiers.redis import RedisTier
 
     tier = RedisTier(redis_server.url, namespace=namespace)
     yield tier

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiokv import TierHealth
+from aiokv.tiers import TierHealth
 from aiokv.tiers._health import Breaker
 
 UP, DEGRADED, DOWN = TierHealth.UP, TierHealth.DEGRADED, TierHealth.DOWN
@@ -123,7 +123,7 @@ def test_random_schedules_keep_the_invariants(ops: list[tuple[str, int]]) -> Non
 
 def test_both_tiers_use_the_shared_breaker(tmp_path: object) -> None:
     from aiokv import DiskTier
-    from aiokv.tiers._redis import RedisTier
+    from aiokv.tiers.redis import RedisTier
 
     assert type(DiskTier(str(tmp_path), capacity_bytes=1 << 20)._breaker) is Breaker
     assert type(RedisTier("redis://127.0.0.1:1")._breaker) is Breaker

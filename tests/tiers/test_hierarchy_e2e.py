@@ -19,9 +19,9 @@ import torch
 
 import aiokv
 from aiokv import CPUTier, Offloader
-from aiokv.tiers._disk import DiskTier
 from aiokv.tiers._format import TierHealth
-from aiokv.tiers._redis import RedisTier
+from aiokv.tiers.disk import DiskTier
+from aiokv.tiers.redis import RedisTier
 
 pytestmark = pytest.mark.asyncio
 

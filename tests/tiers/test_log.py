@@ -13,9 +13,9 @@ import pytest
 
 from aiokv import _log
 from aiokv.tiers import FaultyTier
-from aiokv.tiers._disk import DiskTier
 from aiokv.tiers._format import TierHealth
-from aiokv.tiers._redis import RedisTier
+from aiokv.tiers.disk import DiskTier
+from aiokv.tiers.redis import RedisTier
 
 from . import _entries as entries
 from ._entries import RunPy
@@ -75,7 +75,7 @@ _QUIET_PROBE = """
 import asyncio, hashlib, sys
 from aiokv.tiers import FaultyTier
 from aiokv.tiers._base import TierSpec
-from aiokv.tiers._disk import DiskTier
+from aiokv.tiers.disk import DiskTier
 
 async def main():
     keys = [hashlib.sha256(b"k%d" % i).digest() for i in range(3)]

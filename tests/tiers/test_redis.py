@@ -17,7 +17,7 @@ from redis.asyncio.connection import SSLConnection
 from aiokv._errors import ClosedError, InvalidArgumentError
 from aiokv.tiers._base import TierSpec
 from aiokv.tiers._format import HEADER_SIZE, TierHealth, pack_header
-from aiokv.tiers._redis import RedisTier
+from aiokv.tiers.redis import RedisTier
 
 from . import _entries as entries
 from ._entries import FP, RunPy
@@ -169,7 +169,7 @@ async def test_other_layouts_use_other_keys(redis_server: Any, namespace: str) -
 _WRITER = """
 import asyncio, hashlib, random, sys
 from aiokv.tiers._base import TierSpec
-from aiokv.tiers._redis import RedisTier
+from aiokv.tiers.redis import RedisTier
 
 async def main():
     tier = RedisTier(sys.argv[1], namespace=sys.argv[2])

@@ -27,7 +27,7 @@ from redis.exceptions import AskError
 from aiokv import CPUTier, Offloader
 from aiokv._errors import InvalidArgumentError
 from aiokv.tiers._format import TierHealth
-from aiokv.tiers._redis import RedisTier
+from aiokv.tiers.redis import RedisTier
 
 from . import _entries as entries
 from ._servers import Binary, Cluster, Security, TlsFiles

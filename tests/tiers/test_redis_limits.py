@@ -9,7 +9,7 @@ import pytest
 
 from aiokv._errors import InvalidArgumentError
 from aiokv.tiers._format import HEADER_SIZE, TierHealth
-from aiokv.tiers._redis import RedisTier
+from aiokv.tiers.redis import RedisTier
 
 from . import _entries as entries
 from ._servers import ADMIN_PASSWORD, Binary, Security, ServerProcess

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from aiokv.events import EventKind, KVEventLog, TierEvents
 from aiokv.tiers import DiskTier, FaultyTier
-from aiokv.tiers._redis import RedisTier
+from aiokv.tiers.redis import RedisTier
 
 from . import _entries as entries
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import aiokv
-from aiokv import ClosedError, CPUTier, KVLayout, Offloader, TransferError, TransferExecutor, TransferFuture
+from aiokv import ClosedError, CPUTier, KVLayout, Offloader, TransferError
+from aiokv.transfer import ExecutorStats, TransferExecutor, TransferFuture
 from aiokv.transfer import _cpu as cpu_mod
 from aiokv.transfer._future import call_soon_threadsafe_guarded, resolve
 
@@ -533,6 +534,6 @@ async def test_executor_rejects_a_bad_host_buffer() -> None:
 
 
 def test_executor_stats_is_a_frozen_record() -> None:
-    stats = aiokv.ExecutorStats(backend="cpu", in_flight=0, in_flight_bytes=0, submitted=0, failed=0)
+    stats = ExecutorStats(backend="cpu", in_flight=0, in_flight_bytes=0, submitted=0, failed=0)
     with pytest.raises(AttributeError):
         stats.in_flight = 1  # type: ignore[misc]
