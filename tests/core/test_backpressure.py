@@ -20,6 +20,7 @@ import torch
 import aiokv
 from aiokv import CPUTier, InvalidArgumentError, InvalidTypeError, Offloader
 from aiokv._offloader import _WriteThrough
+from aiokv.testing import FakeClock as _FakeClock
 from aiokv.tiers._lanes import LanePool
 from aiokv.transfer import SimulatedDevice, TransferExecutor
 
@@ -29,12 +30,9 @@ from .test_hierarchy import MemoryTier, _off, _publish, _serve
 GATE_TIMEOUT_S = 10.0  # a hang guard only: every gate is opened by the test long before this
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+def FakeClock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 1000.0 s."""
+    return _FakeClock(1000.0)
 
 
 class HeldTier(MemoryTier):

@@ -15,6 +15,7 @@ import pytest
 
 import aiokv
 from aiokv import CPUTier, Offloader
+from aiokv.testing import FakeClock as _FakeClock
 from aiokv.tiers import BackingTier, TierSpec
 
 from ._sim import SimEngine, running_hashes
@@ -26,12 +27,9 @@ BS = 4  # tokens per block
 RATE = 4000.0  # prefill tokens/s: recomputing one block takes 1 ms
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+def FakeClock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 100.0 s."""
+    return _FakeClock(100.0)
 
 
 class TimedTier(BackingTier):

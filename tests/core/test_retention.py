@@ -7,6 +7,7 @@ import pytest
 
 import aiokv
 from aiokv import CPUTier, Offloader
+from aiokv.testing import FakeClock as _FakeClock
 from aiokv.tiers import SessionPolicy
 
 from ._sim import SimEngine
@@ -17,12 +18,9 @@ pytestmark = pytest.mark.asyncio
 BS = 4
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+def _Clock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 0.0 s."""
+    return _FakeClock(0.0)
 
 
 async def _serve(eng: SimEngine, off: Offloader, rid: str, prompt: list[int], **kw: object) -> None:

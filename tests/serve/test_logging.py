@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from aiokv import _log
+from aiokv.testing import FakeClock as _FakeClock
 
 from ._subproc import ROOT, ServeProcess, env
 
@@ -228,12 +229,9 @@ def test_replay_logs_on_stderr_and_keeps_stdout_for_the_report() -> None:
 
 
 # ------------------------------------------------------------------------------------------ flapping
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+def FakeClock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 1000.0 s."""
+    return _FakeClock(1000.0)
 
 
 class Records(logging.Handler):

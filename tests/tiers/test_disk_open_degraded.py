@@ -15,6 +15,7 @@ import torch
 
 import aiokv
 from aiokv._errors import ClosedError
+from aiokv.testing import FakeClock as _FakeClock
 from aiokv.tiers._base import TierSpec
 from aiokv.tiers._format import TierHealth
 from aiokv.tiers.disk import DiskTier
@@ -34,12 +35,9 @@ def make_spec() -> TierSpec:
     return entries.spec(PB)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+def FakeClock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 100.0 s."""
+    return _FakeClock(100.0)
 
 
 def disk_tier(path: Path, capacity_entries: int = 16) -> tuple[DiskTier, FakeClock]:

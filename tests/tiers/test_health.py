@@ -6,18 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from aiokv.testing import FakeClock as _FakeClock
 from aiokv.tiers import TierHealth
 from aiokv.tiers._health import Breaker
 
 UP, DEGRADED, DOWN = TierHealth.UP, TierHealth.DEGRADED, TierHealth.DOWN
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+def Clock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 100.0 s."""
+    return _FakeClock(100.0)
 
 
 def test_counting_down_probing_and_back_up() -> None:
@@ -92,7 +90,9 @@ def test_failures_to_down_must_be_positive() -> None:
         Breaker(0, 1.0, 2.0, Clock())
 
 
-@given(st.lists(st.tuples(st.sampled_from(["call", "ok", "fail", "abandon", "tick", "trip"]), st.integers(0, 3))))
+@given(
+    st.lists(st.tuples(st.sampled_from(["call", "ok", "fail", "abandon", "tick", "trip"]), st.integers(0, 3)))
+)
 def test_random_schedules_keep_the_invariants(ops: list[tuple[str, int]]) -> None:
     """One probe at a time, never a probe before retry_at, the backoff within its bounds, up means no
     failures counted."""

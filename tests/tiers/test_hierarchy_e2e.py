@@ -19,6 +19,7 @@ import torch
 
 import aiokv
 from aiokv import CPUTier, Offloader
+from aiokv.testing import FakeClock as _FakeClock
 from aiokv.tiers._format import TierHealth
 from aiokv.tiers.disk import DiskTier
 from aiokv.tiers.redis import RedisTier
@@ -149,12 +150,9 @@ async def test_two_processes_share_one_redis(
         assert b2.stats().tiers[2].health != TierHealth.UP
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+def FakeClock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 0.0 s."""
+    return _FakeClock(0.0)
 
 
 async def test_redis_outage_mid_workload_keeps_serving_and_recovers(

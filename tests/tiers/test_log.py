@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from aiokv import _log
+from aiokv.testing import FakeClock as _FakeClock
 from aiokv.tiers import FaultyTier
 from aiokv.tiers._format import TierHealth
 from aiokv.tiers.disk import DiskTier
@@ -27,12 +28,9 @@ def make_spec() -> Any:
     return entries.spec(PB)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+def FakeClock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 1000.0 s."""
+    return _FakeClock(1000.0)
 
 
 def records(caplog: pytest.LogCaptureFixture, name: str, level: int | None = None) -> list[str]:

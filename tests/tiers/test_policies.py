@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokv._errors import InvalidArgumentError
+from aiokv.testing import FakeClock as _FakeClock
 from aiokv.tiers._policies import (
     ARCPolicy,
     ChainLRUPolicy,
@@ -460,12 +461,9 @@ def test_session_pop_victim_is_the_first_candidate_and_candidates_are_the_reside
         assert list(p.candidates()) == listed
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+def _Clock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 100.0 s."""
+    return _FakeClock(100.0)
 
 
 def test_session_retained_blocks_go_after_the_others_until_the_deadline() -> None:

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import SSLConnection
 
 from aiokv._errors import ClosedError, InvalidArgumentError
+from aiokv.testing import FakeClock as _FakeClock
 from aiokv.tiers._base import TierSpec
 from aiokv.tiers._format import HEADER_SIZE, TierHealth, pack_header
 from aiokv.tiers.redis import RedisTier
@@ -38,12 +39,9 @@ def make_outs(n: int, payload_bytes: int = PB) -> list[memoryview]:
     return entries.outs(n, payload_bytes)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+def FakeClock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 1000.0 s."""
+    return _FakeClock(1000.0)
 
 
 @pytest_asyncio.fixture

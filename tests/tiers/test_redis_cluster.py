@@ -26,6 +26,7 @@ from redis.exceptions import AskError
 
 from aiokv import CPUTier, Offloader
 from aiokv._errors import InvalidArgumentError
+from aiokv.testing import FakeClock as _FakeClock
 from aiokv.tiers._format import TierHealth
 from aiokv.tiers.redis import RedisTier
 
@@ -38,12 +39,9 @@ PASSWORD = "s3cret-pw"
 GRANTS = "+exists +get +getex +set +del +ping +command +cluster|slots +asking"
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+def FakeClock() -> _FakeClock:
+    """aiokv.testing.FakeClock, starting at 1000.0 s."""
+    return _FakeClock(1000.0)
 
 
 async def open_tier(url: str, namespace: str, *, payload_bytes: int = PB, **kw: Any) -> RedisTier:
