@@ -113,6 +113,7 @@ async def test_collector_works_for_any_embedding_server_and_from_another_thread(
         await engine.wait_idle()  # its finish resolved: the stores are complete before the next lookup
         await engine.generate(list(range(40)), max_tokens=2)
         await engine.wait_idle()
+        await off.flush()  # the write-through to the disk tier is done: the scrape and stats() agree
         text: list[str] = []
         t = threading.Thread(target=lambda: text.append(generate_latest(registry).decode()))
         t.start()
