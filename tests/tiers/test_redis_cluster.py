@@ -45,6 +45,7 @@ def FakeClock() -> _FakeClock:
 
 
 async def open_tier(url: str, namespace: str, *, payload_bytes: int = PB, **kw: Any) -> RedisTier:
+    kw.setdefault("timeout_s", 5.0)  # the default 1 s counts a timeout on a loaded 2-core machine
     tier = RedisTier(url, namespace=namespace, cluster=True, **kw)
     await tier.open(entries.spec(payload_bytes))
     return tier
