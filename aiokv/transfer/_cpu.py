@@ -151,6 +151,13 @@ class CopyPlanner:
         return Segments(self._engine, addrs - starts[idx], idx), Segments(host_bufs, host_offs), nbytes
 
 
+def _sides(
+    dst: Segments, src: Segments
+) -> tuple[tuple[Any, ...], Int64Array | None, Int64Array, tuple[Any, ...], Int64Array | None, Int64Array]:
+    """The kernel's first six arguments: each side's buffers, segment buffer indexes and byte offsets."""
+    return dst.buffers, dst.index, dst.offsets, src.buffers, src.index, src.offsets
+
+
 def _python_copy(dst: Segments, src: Segments, nbytes: Int64Array) -> None:
     """The kernel's checks and copy, in Python (no C compiler at install time)."""
     n = len(nbytes)
@@ -283,18 +290,7 @@ def copy_segments(
     (non-temporal) stores, or plain memcpy; ``None`` chooses by size (streaming from 4 MiB). A piece of a
     larger batch passes the batch's choice, so it is copied (and timed) the way the batch is."""
     if _native_copy is not None:
-        _native_copy(
-            dst.buffers,
-            dst.index,
-            dst.offsets,
-            src.buffers,
-            src.index,
-            src.offsets,
-            nbytes,
-            group,
-            512,
-            -1 if stream is None else int(stream),
-        )
+        _native_copy(*_sides(dst, src), nbytes, group, 512, -1 if stream is None else int(stream))
     else:  # no C compiler at install, or AIOKV_NATIVE_COPY=0
         if not 1 <= group <= _MAX_GROUP:
             raise ValueError(f"group must be in [1, {_MAX_GROUP}], got {group}")
@@ -352,18 +348,7 @@ class CopyPool:
                 first()
             copy_segments(dst, src, nbytes, group)
             return
-        job = _CopyJob(
-            dst.buffers,
-            dst.index,
-            dst.offsets,
-            src.buffers,
-            src.index,
-            src.offsets,
-            nbytes,
-            group,
-            512,
-            self.PART_BYTES,
-        )
+        job = _CopyJob(*_sides(dst, src), nbytes, group, 512, self.PART_BYTES)
         for q in self._queues:
             q.put(job)
         try:
