@@ -27,12 +27,12 @@ from ._errors import (
     WrongThreadError,
 )
 from ._groups import GroupedLayout
-from ._hashing import _canon, check_token_ids
+from ._hashing import _canon, _chain_in_place, check_token_ids
 from ._host import RequestHost
 from ._layout import KVLayout
 from ._log import Throttled, get_logger
 from ._planner import LoadPlanner
-from ._request import Request, StepUpdate, _Ev, step_batch
+from ._request import Request, StepUpdate, _Ev, _flush_plain, _track_all, step_batch
 from ._staging import Staging
 from ._stats import Counters, OffloaderStats
 from ._writethrough import WriteThrough
@@ -731,7 +731,25 @@ class Offloader:
         slots: list[int] = []
         ids: list[int] = []
         owners: list[Request] = []
-        for req, start, end, blocks, epoch in deferred:
+        # The C loop (aiokv/_native/_step.c) takes the common entries (an idle request's decode block, absent,
+        # with a free slot) and stops at the first it does not; this loop takes that one, and so on: the
+        # order is this loop's. It needs a tier index without quotas or tenant accounting.
+        index = store.index
+        native = (
+            _flush_plain
+            if plain and _flush_plain is not None and index._quota is None and index._tenant_of is None
+            else None
+        )
+        i = 0
+        n = len(deferred)
+        while i < n:
+            if native is not None:
+                i, reserved = native(deferred, i, bs, _chain_in_place, index, keys, slots, ids, owners)
+                index._pending += reserved
+                if i >= n:
+                    break
+            req, start, end, blocks, epoch = deferred[i]
+            i += 1
             waiter = req._waiter
             if req._events or waiter is None or waiter.done():
                 req._post_nowait(_Ev.STORE, (start, end, blocks, None, epoch))
@@ -766,7 +784,7 @@ class Offloader:
                 continue
             if plan.keys:
                 keys += plan.keys
-                ids += [blocks[i] for i in plan.positions]
+                ids += [blocks[p] for p in plan.positions]
                 slots += plan.slots
                 owners.append(req)
         if not keys:
@@ -777,8 +795,11 @@ class Offloader:
             for req in owners:
                 self._store_not_submitted(req.request_id, exc)
             return
-        for req in owners:
-            req._track(tf)
+        if _track_all is not None:
+            _track_all(owners, tf)
+        else:
+            for req in owners:
+                req._track(tf)
 
     def _store_one(
         self,

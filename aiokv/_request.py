@@ -1287,3 +1287,12 @@ def _load_native_step() -> Any:
 _native_step = _load_native_step()
 if _native_step is not None:
     Request.step = _native_step.StepMethod(Request.step)  # type: ignore[method-assign]
+
+# Offloader._flush_deferred's loop for its common entries, in C (None: the Python loop takes every entry).
+_flush_plain: Callable[..., tuple[int, int]] | None = (
+    getattr(_native_step, "flush_plain", None) if _native_step is not None else None
+)
+# Request._track(tf) for each of a list of requests, in C (None: call the method).
+_track_all: Callable[[list[Request], TransferFuture], None] | None = (
+    getattr(_native_step, "track", None) if _native_step is not None else None
+)

@@ -253,12 +253,90 @@ fail:
     return NULL;
 }
 
+#define PENDING 1
+
+/* commit_run(keys, slots, state, parent_of, order, run, last) -> (n, last): BlockIndex.commit_run with the LRU
+ * policy and no priorities (each key PENDING -> READY, then LRUPolicy.insert(key, parent)), in order. A key
+ * that is not a pending entry raises AssertionError, as the Python method's assert does, after the keys
+ * before it were committed (the caller checked them all first: BlockStore._check_pending). */
+static PyObject *commit_run(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "commit_run() takes 7 arguments");
+        return NULL;
+    }
+    PyObject *keys = args[0], *slots = args[1], *state = args[2], *parent_of = args[3], *order = args[4];
+    PyObject *run = args[5], *last = args[6];
+    if (!(PyList_CheckExact(keys) || PyTuple_CheckExact(keys)) || !PyList_CheckExact(parent_of) ||
+        check_state(slots, state, order, run) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "unexpected index or policy structures");
+        return NULL;
+    }
+    Py_INCREF(keys);
+    Py_INCREF(last); /* owned here: a key the loop commits may be the only other reference */
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(keys); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+        PyObject *slot_obj = PyDict_GetItemWithError(slots, key);
+        if (slot_obj == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+            goto fail;
+        }
+        Py_ssize_t slot = PyLong_AsSsize_t(slot_obj);
+        if (slot < 0 || slot >= PyByteArray_GET_SIZE(state) || slot >= PyList_GET_SIZE(parent_of)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "slot out of range");
+            goto fail;
+        }
+        if ((unsigned char)PyByteArray_AS_STRING(state)[slot] != PENDING) {
+            PyErr_SetString(PyExc_AssertionError, "commit of a non-pending entry");
+            goto fail;
+        }
+        PyByteArray_AS_STRING(state)[slot] = READY;
+        n++;
+        PyObject *parent = PyList_GET_ITEM(parent_of, slot);
+        Py_INCREF(parent);
+        /* LRUPolicy.insert(key, parent) */
+        int close = parent == Py_None || last == Py_None;
+        if (!close) {
+            int ne = PyObject_RichCompareBool(parent, last, Py_NE);
+            if (ne < 0) goto fail_parent;
+            close = ne;
+        }
+        if (!close) {
+            int in_run = PyDict_Contains(run, key);
+            if (in_run < 0) goto fail_parent;
+            close = in_run;
+        }
+        if (close && close_run(order, run) < 0) goto fail_parent;
+        int was = PyDict_Contains(order, key);
+        if (was < 0 || PyObject_SetItem(order, key, parent) < 0 || (was && move_to_end(order, key) < 0) ||
+            PyDict_SetItem(run, key, Py_None) < 0)
+            goto fail_parent;
+        Py_DECREF(parent);
+        Py_INCREF(key);
+        Py_SETREF(last, key);
+        continue;
+    fail_parent:
+        Py_DECREF(parent);
+        goto fail;
+    }
+    PyObject *out = Py_BuildValue("(nO)", n, last);
+    Py_DECREF(last);
+    Py_DECREF(keys);
+    return out;
+fail:
+    Py_DECREF(last);
+    Py_DECREF(keys);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"touch_prefix", (PyCFunction)(void (*)(void))touch_prefix, METH_FASTCALL,
      "touch_prefix(keys, start, slots, state, order, run, last) -> (n, last)"},
     {"insert_chain", (PyCFunction)(void (*)(void))insert_chain, METH_FASTCALL,
      "insert_chain(keys, start, slots, state, free, key_of, parent_of, depth_of, on_evict, order, run, last)"
      " -> (inserted, evicted, rejected, last)"},
+    {"commit_run", (PyCFunction)(void (*)(void))commit_run, METH_FASTCALL,
+     "commit_run(keys, slots, state, parent_of, order, run, last) -> (n, last)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,13 +22,15 @@ operations.
 from __future__ import annotations
 
 import enum
+import importlib
 import os
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .._errors import InvalidArgumentError
-from ._policies import EvictionPolicy, LRUPolicy, _RecencyList
+from ._policies import ARCPolicy, EvictionPolicy, LRUPolicy, SessionPolicy, _RecencyList
 
 try:  # touch_prefix / insert_chain with LRU in C (aiokv/_native/_lru.c); the Python methods below define them
     from .._native import _lru as _native_lru
@@ -36,6 +38,29 @@ except ImportError:  # pragma: no cover - built without a C compiler
     _native_lru = None  # type: ignore[assignment]
 if os.environ.get("AIOKV_NATIVE_LRU", "1") == "0":
     _native_lru = None  # type: ignore[assignment]
+# commit_run with the LRU policy in C (the completion of every stored block); None: the Python loop.
+_native_commit = getattr(_native_lru, "commit_run", None) if _native_lru is not None else None
+
+
+def _policy_fast_paths() -> dict[type, tuple[Callable[..., Any], Callable[..., Any]]]:
+    """The replay loops of other policies in C, by policy type: ``touch_prefix(index, policy, keys, start) ->
+    n`` and ``insert_chain(index, policy, keys, start) -> (inserted, evicted, rejected)``, each doing exactly
+    what the generic Python loops of :meth:`BlockIndex.touch_prefix` and :meth:`BlockIndex.insert_chain` do
+    with that policy's methods, or returning None, having changed nothing, for a state it does not cover
+    (the Python loop runs then). ``AIOKV_NATIVE_LRU=0`` turns them off with the LRU ones."""
+    paths: dict[type, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+    if _native_lru is None:
+        return paths
+    for name, cls in (("_arc", ARCPolicy), ("_session", SessionPolicy)):
+        try:
+            mod = importlib.import_module(f"aiokv._native.{name}")
+        except ImportError:  # pragma: no cover - built without a C compiler
+            continue
+        paths[cls] = (mod.touch_prefix, mod.insert_chain)
+    return paths
+
+
+_FAST_PATHS = _policy_fast_paths()
 
 __all__ = ["BlockIndex", "EntryState", "IndexStats"]
 
@@ -388,6 +413,18 @@ class BlockIndex:
 
     def commit_run(self, keys: Iterable[bytes]) -> None:
         """:meth:`commit` for each of ``keys``, in order (one completed store copy's blocks)."""
+        if (
+            _native_commit is not None
+            and type(self.policy) is LRUPolicy
+            and self._set_priority is None
+            and type(keys) in (list, tuple)
+        ):
+            lst = self.policy._list
+            n, lst._last = _native_commit(
+                keys, self._slots, self._state, self._parent, lst._order, lst._run, lst._last
+            )
+            self._pending -= n
+            return
         slots = self._slots
         state = self._state
         parents = self._parent
@@ -510,6 +547,11 @@ class BlockIndex:
                 )
                 return n
             return self._touch_prefix_lru(keys, start, lst)
+        fast = _FAST_PATHS.get(type(policy))
+        if fast is not None and type(keys) in (tuple, list):
+            n = fast[0](self, policy, keys, start)
+            if n is not None:
+                return n  # type: ignore[no-any-return]
         touch = policy.touch
         n = 0
         for i in range(start, len(keys)):
@@ -574,6 +616,14 @@ class BlockIndex:
                 self._rejected += rejected
                 return inserted
             return self._insert_chain_lru(keys, start, lst)
+        fast = _FAST_PATHS.get(type(self.policy))
+        if fast is not None and type(keys) in (tuple, list):
+            done = fast[1](self, self.policy, keys, start)
+            if done is not None:
+                inserted, evicted, rejected = done
+                self._evictions += evicted
+                self._rejected += rejected
+                return inserted  # type: ignore[no-any-return]
         # reserve + commit inlined; an evicted slot is reused at once (reserve would free it and pop it back).
         slots = self._slots
         state = self._state
