@@ -22,7 +22,7 @@ VLLM_PIP := $(VLLM_BIN)/python -m pip --disable-pip-version-check -q
 # on sys.path also makes tests/, tools/ and benchmarks/ importable in these venvs; they are development venvs.
 # tests/test_editable.py checks that mypy finds aiokv from outside the repository.
 EDITABLE := --config-settings editable_mode=compat
-NATIVE_SRC := aiokv/_native/_copy.c aiokv/_native/_lru.c aiokv/_native/_sha.c aiokv/_native/_step.c
+NATIVE_SRC := aiokv/_native/_arc.c aiokv/_native/_copy.c aiokv/_native/_lru.c aiokv/_native/_sha.c aiokv/_native/_step.c
 
 # The times the recipes print were measured from fresh venvs on a machine with the wheels at hand (a local
 # package index, 2 cores: .venv 140 s, .venv-vllm 314 s); downloading them (torch's CPU wheel alone is 190 MB)

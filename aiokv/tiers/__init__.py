@@ -13,6 +13,7 @@ if typing.TYPE_CHECKING:
     from ._faulty import FaultyTier, FaultyTierStats
     from ._index import BlockIndex, EntryState
     from ._policies import (
+        AdaptivePolicy,
         ARCPolicy,
         ChainLRUPolicy,
         EvictionPolicy,
@@ -48,6 +49,7 @@ __getattr__, __dir__ = _lazy.attach(
         "BlockIndex": "._index",
         "EntryState": "._index",
         "ARCPolicy": "._policies",
+        "AdaptivePolicy": "._policies",
         "ChainLRUPolicy": "._policies",
         "EvictionPolicy": "._policies",
         "LRUPolicy": "._policies",
@@ -60,6 +62,7 @@ __getattr__, __dir__ = _lazy.attach(
 
 __all__ = [
     "ARCPolicy",
+    "AdaptivePolicy",
     "BackingTier",
     "BlockIndex",
     "CPUTier",

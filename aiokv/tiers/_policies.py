@@ -28,13 +28,14 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from .._errors import InvalidArgumentError
 
 __all__ = [
     "ARCPolicy",
+    "AdaptivePolicy",
     "ChainLRUPolicy",
     "EvictionPolicy",
     "LRUPolicy",
@@ -790,11 +791,224 @@ class SessionPolicy(EvictionPolicy):
         return len(self._stamp)
 
 
+_EXPERTS: dict[str, Callable[[int], EvictionPolicy]] = {
+    "arc": ARCPolicy,
+    "chain-lru": lambda capacity: ChainLRUPolicy(),
+    "lru": lambda capacity: LRUPolicy(),
+    "session": lambda capacity: SessionPolicy(capacity),
+}
+
+
+class AdaptivePolicy(EvictionPolicy):
+    """Follows whichever of several expert policies the workload currently rewards (``eviction="adaptive"``).
+
+    - **Shadows.** Each expert (by default ``lru``, ``arc`` and ``session``: recency, frequency, session
+      structure) runs as a *shadow*: an instance of that policy over its own key set of the tier's capacity
+      (keys only, no data), fed every access this tier sees (a hit or a store of a resident key is an access;
+      so is every insert). A shadow that misses inserts the key and, when full, evicts its own victim. Each
+      shadow counts the *prefix hits* it would have had: a hit counts while every access before it down the
+      same chain was a hit in that shadow too (the replay's and the engine's notion of a hit).
+    - **Leadership.** Once per epoch (at least ``max(capacity, 256)`` accesses and ``starts`` chain heads)
+      each expert's score decays by ``decay`` and adds its epoch's prefix hits; the expert with the highest
+      score leads (ties keep the leader). Nothing else is tuned per trace.
+    - **Following.** The tier's victim is a resident key its leader's shadow does not hold (the one that left
+      that shadow first), or, when the leader's shadow holds every resident key, the leader's own first victim
+      among them. So a tier whose leader stays put converges to the leader's contents within one cache-full
+      of evictions and then evicts exactly as it would: following a single expert *is* that expert
+      (``tests/tiers/test_adaptive.py`` checks this for each built-in). Evicted keys stay in the shadows.
+    - ``hint_cold`` reaches the experts that take hints. Retention and priorities are not supported (like
+      ``lru`` and ``arc``): use ``session`` for them.
+
+    Cost: every access is one access per expert, so about the sum of the experts' costs (O(1) amortized per
+    expert, ``ChainLRUPolicy`` O(log n)); memory: each shadow's keys and ghosts (``session``'s ghosts are
+    ``8 * capacity`` keys at most). An eviction may skip keys the leader's shadow holds but the tier dropped
+    (``discard``), each at most once per shadow eviction.
+    """
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        experts: Sequence[str] = ("lru", "arc", "session"),
+        decay: float = 0.9,
+        starts: int = 64,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise InvalidArgumentError(f"capacity must be a positive int, got {capacity!r}")
+        if isinstance(experts, str) or not experts:
+            raise InvalidArgumentError(
+                f"experts must be a non-empty sequence of policy names, got {experts!r}"
+            )
+        names = list(experts)
+        for name in names:
+            if name not in _EXPERTS:
+                raise InvalidArgumentError(f"experts must be names from {list(_EXPERTS)}, got {name!r}")
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"experts must not repeat a name, got {names}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
+            raise InvalidArgumentError(f"decay must be a number in [0, 1), got {decay!r}")
+        if isinstance(starts, bool) or not isinstance(starts, int) or starts < 1:
+            raise InvalidArgumentError(f"starts must be an int >= 1, got {starts!r}")
+        self.capacity = capacity
+        self.experts = tuple(names)
+        self._shadows = [_EXPERTS[n](capacity) for n in names]
+        self._has = [_holds(s) for s in self._shadows]
+        self._out: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in names]  # resident, not in shadow
+        self._real: dict[bytes, bytes | None] = {}  # resident key -> parent
+        self._score = [0.0] * len(names)
+        self._epoch_hits = [0] * len(names)
+        self._chain_ok = [False] * len(names)
+        self._last: bytes | None = None
+        self._leader = 0
+        self._epoch_refs = max(capacity, 256)
+        self._decay = float(decay)
+        self._starts_needed = starts
+        self._refs = 0
+        self._starts = 0
+        self.switches = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<AdaptivePolicy capacity={self.capacity} leader={self.leader!r} "
+            f"resident={len(self._real)} switches={self.switches}>"
+        )
+
+    @property
+    def leader(self) -> str:
+        """The name of the expert the tier follows now."""
+        return self.experts[self._leader]
+
+    def scores(self) -> dict[str, float]:
+        """Each expert's decayed prefix-hit score (the current epoch's hits not yet included)."""
+        return dict(zip(self.experts, self._score, strict=True))
+
+    def shadow(self, name: str) -> EvictionPolicy:
+        """The shadow of expert ``name`` (read-only use: tests and debugging)."""
+        try:
+            return self._shadows[self.experts.index(name)]
+        except ValueError:
+            raise InvalidArgumentError(
+                f"name must be one of the experts {list(self.experts)}, got {name!r}"
+            ) from None
+
+    def hint_cold(self, key: bytes) -> None:
+        """Forwarded to the experts that take hints (``session``)."""
+        for shadow in self._shadows:
+            hint = getattr(shadow, "hint_cold", None)
+            if hint is not None:
+                hint(key)
+
+    def _access(self, key: bytes, parent: bytes | None, depth: int) -> None:
+        walk = parent is None or parent == self._last
+        real = self._real
+        cap = self.capacity
+        ok = self._chain_ok
+        for i, shadow in enumerate(self._shadows):
+            if self._has[i](key):
+                if parent is None or (walk and ok[i]):
+                    self._epoch_hits[i] += 1
+                    ok[i] = True
+                elif not walk:  # not a walk down a chain: no prefix to judge by
+                    ok[i] = True
+                shadow.touch(key)
+            else:
+                ok[i] = False
+                if len(shadow) >= cap:
+                    victim = shadow._pop_victim()
+                    if victim is not None and victim in real:
+                        self._out[i][victim] = None
+                shadow.insert(key, parent, depth)
+                self._out[i].pop(key, None)
+        self._last = key
+        self._refs += 1
+        if parent is None:
+            self._starts += 1
+        if self._refs >= self._epoch_refs and self._starts >= self._starts_needed:
+            self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        self._refs = 0
+        self._starts = 0
+        score = self._score
+        hits = self._epoch_hits
+        for i in range(len(score)):
+            score[i] = score[i] * self._decay + hits[i]
+            hits[i] = 0
+        lead = self._leader
+        best = max(range(len(score)), key=lambda i: (score[i], i == lead))
+        if best != lead:
+            self._leader = best
+            self.switches += 1
+
+    def insert(self, key: bytes, parent: bytes | None = None, depth: int = 0) -> None:
+        if key in self._real:  # a second insert is a hit
+            self.touch(key)
+            return
+        self._real[key] = parent
+        self._access(key, parent, depth)
+
+    def touch(self, key: bytes) -> None:
+        parent = self._real.get(key, _ABSENT)
+        if parent is not _ABSENT:
+            self._access(key, parent, 0)  # type: ignore[arg-type]
+
+    def remove(self, key: bytes, evicted: bool) -> None:
+        if self._real.pop(key, _ABSENT) is _ABSENT:
+            return
+        for out in self._out:
+            out.pop(key, None)
+
+    def candidates(self) -> Iterator[bytes]:
+        lead = self._leader
+        out = self._out[lead]
+        real = self._real
+        yield from list(out)
+        for key in self._shadows[lead].candidates():
+            if key in real and key not in out:
+                yield key
+
+    def _pop_victim(self) -> bytes | None:
+        out = self._out[self._leader]
+        real = self._real
+        if out:
+            key = next(iter(out))
+        else:
+            for key in self._shadows[self._leader].candidates():
+                if key in real:
+                    break
+            else:
+                return None
+        del real[key]
+        for o in self._out:
+            o.pop(key, None)
+        return key
+
+    def __len__(self) -> int:
+        return len(self._real)
+
+
+def _holds(policy: EvictionPolicy) -> Callable[[bytes], bool]:
+    """A membership test for a shadow's resident keys."""
+    if type(policy) is LRUPolicy:
+        return policy._list._order.__contains__
+    if type(policy) is ARCPolicy:
+        t1, t2 = policy._t1._order, policy._t2._order
+        return lambda key: key in t1 or key in t2
+    if type(policy) is SessionPolicy:
+        return policy._stamp.__contains__
+    if type(policy) is ChainLRUPolicy:
+        return policy._nodes.__contains__
+    raise InvalidArgumentError(f"experts must be built-in policies {list(_EXPERTS)}, got {policy.name!r}")
+
+
 _REGISTRY: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": lambda capacity: LRUPolicy(),
     "arc": ARCPolicy,
     "chain-lru": lambda capacity: ChainLRUPolicy(),
     "session": lambda capacity: SessionPolicy(capacity),
+    "adaptive": lambda capacity: AdaptivePolicy(capacity),
 }
 
 

@@ -521,7 +521,7 @@ def test_api_refuses_non_finite_bandwidth_and_speed() -> None:
             "capacity of tier 'cpu' must hold at least one block of 67108864 bytes "
             "(512 tokens * 131072 bytes), got 1024",
         ),
-        (["--policy", "mru"], "policy must be one of ['arc', 'chain-lru', 'lru', 'session'], got 'mru'"),
+        (["--policy", "mru"], "policy must be one of ['adaptive', 'arc', 'chain-lru', 'lru', 'session'], got 'mru'"),
         (["--policy", ","], "policy must name at least one policy, got ','"),
         (["--policy", "lru,arc,lru"], "policy must name 'lru' only once, got 'lru,arc,lru'"),
         (
