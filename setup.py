@@ -26,6 +26,6 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         )
-        for name in ("_arc", "_copy", "_lru", "_sha", "_step")
+        for name in ("_arc", "_copy", "_lru", "_replay", "_sha", "_step")
     ]
 )

@@ -60,35 +60,67 @@ def _one_line(text: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- replay
-_SYNTHETIC_INTS = ("sessions", "turns", "system_prompts", "system_blocks", "seed")
-_SYNTHETIC_FLOATS = ("sessions_per_s", "think_s")
+_SYNTHETIC_OPTIONS: dict[str, dict[str, type]] = {
+    "chat": {
+        "sessions": int,
+        "turns": int,
+        "system_prompts": int,
+        "system_blocks": int,
+        "seed": int,
+        "sessions_per_s": float,
+        "think_s": float,
+    },
+    "agentic": {
+        "sessions": int,
+        "turns": int,
+        "system_prompts": int,
+        "system_blocks": int,
+        "context_blocks": int,
+        "seed": int,
+        "sessions_per_s": float,
+        "think_s": float,
+    },
+    "retrieval": {
+        "questions": int,
+        "docs": int,
+        "system_blocks": int,
+        "seed": int,
+        "questions_per_s": float,
+        "follow_up": float,
+    },
+    "mix": {"then": str, "sessions": int, "seed": int},
+}
+"""Per shape, the options ``synthetic:`` takes and their types (the range options stay API-only); kept here,
+not read from the generators, so the command line imports no replay module to parse its arguments."""
+_SYNTHETIC_SHAPES = sorted(_SYNTHETIC_OPTIONS)
 
 
 def _synthetic_kwargs(spec: str) -> dict[str, Any]:
-    """``synthetic:sessions=100,turns=4,seed=1`` -> keyword arguments of :func:`synthetic_trace` (which
-    validates their values)."""
+    """``synthetic:shape=agentic,sessions=20,seed=3`` -> keyword arguments of :func:`synthetic_trace` (which
+    validates their values). ``shape`` may come anywhere in the list and defaults to chat; each shape has
+    its own options, and an unknown one is refused with that shape's list."""
     _, _, rest = spec.partition(":")
     if not rest:
         return {}
-    kwargs: dict[str, Any] = {}
-    names = sorted(_SYNTHETIC_INTS + _SYNTHETIC_FLOATS)
-    for name, value in _parse_assignments(rest, "synthetic trace options"):
-        if name not in names:
-            raise InvalidArgumentError(f"synthetic trace option must be one of {names}, got {name!r}")
-        if name in _SYNTHETIC_INTS:
-            try:
-                kwargs[name] = int(value)
-            except ValueError:
-                raise InvalidArgumentError(
-                    f"synthetic trace option {name} must be an int, got {value!r}"
-                ) from None
-        else:
-            try:
-                kwargs[name] = float(value)
-            except ValueError:
-                raise InvalidArgumentError(
-                    f"synthetic trace option {name} must be a number, got {value!r}"
-                ) from None
+    pairs = dict(_parse_assignments(rest, "synthetic trace options"))
+    shape = pairs.pop("shape", "chat")
+    if shape not in _SYNTHETIC_OPTIONS:
+        raise InvalidArgumentError(f"shape must be one of {_SYNTHETIC_SHAPES}, got {shape!r}")
+    types = _SYNTHETIC_OPTIONS[shape]
+    names = sorted(types)
+    kwargs: dict[str, Any] = {} if shape == "chat" else {"shape": shape}
+    for name, value in pairs.items():
+        if name not in types:
+            which = "" if shape == "chat" else f" for shape {shape}"
+            raise InvalidArgumentError(f"synthetic trace option{which} must be one of {names}, got {name!r}")
+        kind = types[name]
+        try:
+            kwargs[name] = kind(value)
+        except ValueError:
+            what = "an int" if kind is int else "a number"
+            raise InvalidArgumentError(
+                f"synthetic trace option {name} must be {what}, got {value!r}"
+            ) from None
     return kwargs
 
 
@@ -103,7 +135,9 @@ def _add_replay(sub: Any) -> None:
             "Replay a request trace through aiokv's block index and eviction policies (one index per tier, "
             "transfers replaced by a bandwidth model) and report hit ratios, bytes moved and an estimated "
             "TTFT saving. TRACE is a JSONL file (rows with hash_ids, token_ids or prompt; at most 1 MiB per "
-            "line and 65,536 hash_ids per row) or 'synthetic[:sessions=N,turns=N,seed=N,...]'."
+            "line and 65,536 hash_ids per row) or 'synthetic[:shape=SHAPE,option=value,...]': SHAPE is chat (the "
+            "default), agentic (meant for --block-tokens 64), retrieval or mix, each with its own options "
+            "(docs/replay.md; an unknown option's error lists the shape's)."
         ),
         epilog=(
             "Options and the whole trace are checked before replaying: a bad value or a bad trace line "

@@ -5,12 +5,17 @@ Workloads (``--workloads``, comma-separated; default all):
 
 - ``conversation``, ``mooncake-synthetic``: the Mooncake traces from ``$AIOKV_TRACE_DIR`` (skipped, with a
   note, when it is unset; the 400-request slices in tests/data are too short to rank policies);
-- ``chat``: ``synthetic_trace(seed=1)`` (``aiokv replay --trace synthetic:seed=1``);
-- ``agentic``: coding-agent sessions at 64-token blocks, generated here: three shared tool prompts of 150
-  blocks, 40 sessions of 5+ turns (exponential, mean 60), each turn re-sending the context plus a tool result
-  (Pareto-sized, 1-60 blocks) then a model action (1-4 blocks), 3 s mean think time, sessions arriving every
-  20 s on average (many active at once), the context compacted to the prompt plus 40 fresh blocks past 3,000;
-- ``retrieval``: 12 shared documents of 50-400 blocks (Zipf-popular) behind 4,000 one- or two-turn questions.
+- ``chat``: ``synthetic_trace(seed=1)`` (``aiokv replay synthetic:seed=1``);
+- ``agentic``: coding-agent sessions at 64-token blocks (``aiokv.replay.agentic_trace``;
+  ``synthetic:shape=agentic,sessions=40,seed=1 --block-tokens 64``): three shared tool prompts of 150
+  blocks, 40 sessions of 5+ turns (exponential, mean 60), each turn re-sending the context plus a tool
+  result (Pareto-sized, 1-60 blocks) then a model action (1-4 blocks), 3 s mean think time, sessions
+  arriving every 20 s on average (many active at once), the context compacted to the prompt plus 40 fresh
+  blocks past 3,000;
+- ``retrieval``: 12 shared documents of 50-400 blocks (Zipf-popular) behind 4,000 one- or two-turn
+  questions (``aiokv.replay.retrieval_trace``; ``synthetic:shape=retrieval,questions=4000,docs=12,seed=1``);
+- ``mix``: chat for the first half of the time, then retrieval with fresh keys for as long again
+  (``aiokv.replay.mix_trace``; ``synthetic:shape=mix,seed=1``): does a policy follow the shift?
 
 The default sweep's nine capacities per workload, llama3-8b (128 KiB per token); block hit ratio in
 percent. The replay is deterministic: one run gives the figures. Run:
@@ -22,7 +27,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -31,68 +35,16 @@ from _common import write_result
 
 from aiokv.replay import CostModel, TierConfig, Trace, load_trace, replay, synthetic_trace
 from aiokv.replay._sim import auto_capacities
-from aiokv.replay._trace import TraceRequest
 
 KV = 131072
 COST = CostModel(prefill_tokens_per_s=24_725.0)
 TOLERANCE = 0.3  # points behind the better of lru and arc
-
-
-def agentic(sessions: int = 40, seed: int = 1, block_tokens: int = 64) -> Trace:
-    rng = random.Random(seed)
-    counter = 0
-
-    def fresh(n: int) -> list[bytes]:
-        nonlocal counter
-        out = [b"ag" + (counter + i).to_bytes(8, "little") for i in range(n)]
-        counter += n
-        return out
-
-    prompts = [fresh(150) for _ in range(3)]
-    requests = []
-    start = 0.0
-    for _ in range(sessions):
-        start += rng.expovariate(0.05) * 1000.0
-        history = list(prompts[rng.randrange(3)])
-        t = start
-        for turn in range(max(5, int(rng.expovariate(1 / 60)))):
-            if turn:
-                t += rng.expovariate(1 / 3.0) * 1000.0
-            history += fresh(min(60, max(1, int(rng.paretovariate(1.2)))))
-            inputs = len(history) * block_tokens - rng.randrange(block_tokens)
-            requests.append(TraceRequest(t, tuple(history), inputs, 64))
-            history += fresh(rng.randint(1, 4))
-            if len(history) > 3000:
-                history = history[:150] + fresh(40)
-    return Trace.from_requests(f"agentic(sessions={sessions},seed={seed})", block_tokens, requests)
-
-
-def retrieval(questions: int = 4000, docs: int = 12, seed: int = 1, block_tokens: int = 512) -> Trace:
-    rng = random.Random(seed)
-    counter = 0
-
-    def fresh(n: int) -> list[bytes]:
-        nonlocal counter
-        out = [b"rt" + (counter + i).to_bytes(8, "little") for i in range(n)]
-        counter += n
-        return out
-
-    system = fresh(4)
-    documents = [fresh(rng.randint(50, 400)) for _ in range(docs)]
-    weights = [1 / (i + 1) for i in range(docs)]
-    requests = []
-    t = 0.0
-    for _ in range(questions):
-        t += rng.expovariate(5.0) * 1000.0
-        history = system + documents[rng.choices(range(docs), weights)[0]] + fresh(rng.randint(1, 2))
-        requests.append(
-            TraceRequest(t, tuple(history), len(history) * block_tokens - rng.randrange(block_tokens), 256)
-        )
-        if rng.random() < 0.3:
-            history = history + fresh(2)
-            inputs = len(history) * block_tokens - rng.randrange(block_tokens)
-            requests.append(TraceRequest(t + 20_000.0, tuple(history), inputs, 256))
-    return Trace.from_requests(f"retrieval(questions={questions},seed={seed})", block_tokens, requests)
+SYNTHETIC = {  # the `synthetic:` shapes, as `aiokv replay synthetic:shape=...` makes them
+    "agentic": {"shape": "agentic", "sessions": 40, "seed": 1, "block_tokens": 64},
+    "chat": {"seed": 1},
+    "retrieval": {"shape": "retrieval", "questions": 4000, "docs": 12, "seed": 1},
+    "mix": {"shape": "mix", "seed": 1},
+}
 
 
 def workload(name: str) -> Trace | None:
@@ -103,18 +55,14 @@ def workload(name: str) -> Trace | None:
             print(f"bench_policies: {name}: set AIOKV_TRACE_DIR to the folder holding {file}; skipped")
             return None
         return load_trace(str(Path(env) / file), block_tokens=512)
-    if name == "chat":
-        return synthetic_trace(seed=1)
-    if name == "agentic":
-        return agentic()
-    if name == "retrieval":
-        return retrieval()
+    if name in SYNTHETIC:
+        return synthetic_trace(**SYNTHETIC[name])
     raise SystemExit(f"bench_policies: unknown workload {name!r}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", default="agentic,chat,retrieval,conversation,mooncake-synthetic")
+    ap.add_argument("--workloads", default="agentic,chat,retrieval,mix,conversation,mooncake-synthetic")
     ap.add_argument("--policies", default="lru,arc,session,adaptive")
     args = ap.parse_args()
     policies = args.policies.split(",")

@@ -3,7 +3,7 @@
 Traces, first found wins: paths given on the command line; ``$AIOKV_TRACE_DIR/{conversation,synthetic}_trace.jsonl``
 (the Mooncake traces); otherwise the 400-request slices in tests/data (a quick smoke run).
 
-Layouts per trace and policy (lru, arc, chain-lru), 64 MiB blocks (llama3-8b, 512 tokens):
+Layouts per trace and policy (lru, arc, session, adaptive, chain-lru), 64 MiB blocks (llama3-8b, 512 tokens):
 
 - ``cpu 200GiB``: one CPU tier of 3,200 blocks, the command of issue 13 (``--tiers cpu=200GiB``);
 - ``cpu 1/256``: the smallest point of ``--sweep cpu=auto`` (nearly every store evicts);
@@ -11,9 +11,12 @@ Layouts per trace and policy (lru, arc, chain-lru), 64 MiB blocks (llama3-8b, 51
 - ``cpu 1/16 + disk 1/2``: a two-tier hierarchy (each reference goes through up to two indexes).
 
 Every figure is the median of ``--repeat`` runs (default 5) with the min..max spread; the runs of all layouts
-and policies are interleaved, so a slow patch of a shared machine spreads over all of them. Baselines, in the
-same run: a bare ``OrderedDict`` LRU over the same keys and capacity (lookup the leading run, then insert with
-eviction; the cost of the bookkeeping alone) for the single-tier layouts, and, when ``--vllm DIR`` (or
+and policies are interleaved, so a slow patch of a shared machine spreads over all of them. Each replay starts
+from a trace whose keys are not interned yet, so its figure includes interning them (a sweep interns once).
+Baselines, in the same run: a bare ``OrderedDict`` LRU over the same keys and capacity (lookup the leading
+run, then insert with eviction; the cost of the bookkeeping alone) for the single-tier layouts; the Python
+replay loop over the Python policies (``AIOKV_NATIVE_REPLAY=0``: what ran before the C replay; one run per
+figure in the first repeat, as it takes seconds), and, when ``--vllm DIR`` (or
 ``$AIOKV_VLLM_DIR``) names an unpacked vLLM wheel (the folder holding ``vllm/``), vLLM's own
 ``CPUOffloadingManager`` (``vllm/v1/kv_offload/cpu/manager.py``, policies lru and arc) driven the way its
 scheduler drives it: per request ``on_new_request``, ``lookup`` per block until a miss, ``prepare_load`` and
@@ -42,14 +45,26 @@ from typing import Any
 
 from _common import ROOT, print_table, status, write_result
 
-from aiokv.replay import CostModel, TierConfig, Trace, load_trace, replay
+from aiokv.replay import CostModel, TierConfig, Trace, _sim, load_trace, replay
 
-POLICIES = ["lru", "arc", "chain-lru"]
+POLICIES = ["lru", "arc", "session", "adaptive", "chain-lru"]
 VLLM_POLICIES = ["lru", "arc"]
 KV = 131072  # llama3-8b: 64 MiB per 512-token block
 BLOCK_BYTES = 512 * KV
 COST = CostModel(prefill_tokens_per_s=24_725.0)
-TARGET = 1_000_000  # issue 13: lru on the conversation trace at cpu=200GiB
+TARGET = 1_000_000  # issue 13: lru on the conversation trace at cpu=200GiB; issue 25: arc, session, adaptive
+
+
+def replay_fresh(trace: Trace, tiers: list[TierConfig], policy: str, python: bool = False) -> Any:
+    """One replay as a lone ``aiokv replay`` runs it: keys not interned yet. ``python``: the Python loop."""
+    _sim._INTERNED.pop(trace, None)
+    saved = _sim._native_replay
+    if python:
+        _sim._native_replay = None  # type: ignore[assignment]
+    try:
+        return replay(trace, tiers, policy=policy, kv_bytes_per_token=KV, cost=COST)
+    finally:
+        _sim._native_replay = saved
 
 
 def find_traces(paths: list[str]) -> list[Path]:
@@ -250,6 +265,7 @@ def main() -> None:
         bare: dict[str, list[float]] = {}
         vspeed: dict[tuple[str, str], list[float]] = {}
         vhits: dict[tuple[str, str], float] = {}
+        pyspeed: dict[tuple[str, str], float] = {}
         for rep in range(repeat):
             status(f"  run {rep + 1}/{repeat}")
             for layout, tiers in lays.items():
@@ -259,9 +275,17 @@ def main() -> None:
                         trace.block_refs / bare_lru(trace, slots_of(trace, tiers[0]))
                     )
                 for policy in POLICIES:
-                    r = replay(trace, tiers, policy=policy, kv_bytes_per_token=KV, cost=COST)
+                    r = replay_fresh(trace, tiers, policy)
                     speed.setdefault((layout, policy), []).append(r.refs_per_s)
                     hits[layout, policy] = r.block_hit_ratio
+                    if rep == 0 and _sim._native_replay is not None:
+                        py = replay_fresh(trace, tiers, policy, python=True)
+                        pyspeed[layout, policy] = py.refs_per_s
+                        if (py.hit_blocks, py.hit_tokens) != (
+                            r.hit_blocks,
+                            r.hit_tokens,
+                        ):  # C must be the Python replay
+                            raise SystemExit(f"{layout} {policy}: C and Python replays differ")
                     if single and vllm_run is not None and policy in VLLM_POLICIES:
                         seconds, ratio = vllm_run(policy, slots_of(trace, tiers[0]))
                         vspeed.setdefault((layout, policy), []).append(trace.block_refs / max(seconds, 1e-9))
@@ -280,6 +304,8 @@ def main() -> None:
                         mega(med),
                         spread(v),
                         "-" if ratio is None else round(ratio, 2),
+                        mega(pyspeed[layout, policy]) if (layout, policy) in pyspeed else "-",
+                        f"{med / pyspeed[layout, policy]:.0f}x" if (layout, policy) in pyspeed else "-",
                         f"{100 * hits[layout, policy]:.2f}%",
                     ]
                 )
@@ -293,6 +319,10 @@ def main() -> None:
                     "refs_per_s_samples": v,
                     "bare_lru_refs_per_s": statistics.median(base) if base else None,
                     "speed_vs_bare_lru": ratio,
+                    "python_loop_refs_per_s": pyspeed.get((layout, policy)),
+                    "speed_vs_python_loop": med / pyspeed[layout, policy]
+                    if (layout, policy) in pyspeed
+                    else None,
                     "block_hit_ratio": hits[layout, policy],
                     "load_s": load_s,
                 }
@@ -319,10 +349,21 @@ def main() -> None:
                     headline = med
     print_table(
         f"aiokv replay: block references per second through BlockIndex (median of {repeat} runs)",
-        ["trace", "tiers", "policy", "refs/s", "min-max", "vs bare LRU", "block hits"],
+        [
+            "trace",
+            "tiers",
+            "policy",
+            "refs/s",
+            "min-max",
+            "vs bare LRU",
+            "Python loop",
+            "vs Python",
+            "block hits",
+        ],
         rows,
         note="vs bare LRU: the replay's speed over a plain OrderedDict LRU loop on the same trace and capacity "
-        "(single tier only; 1.0 = no overhead)",
+        "(single tier only; 1.0 = no overhead); Python loop: the same replay with AIOKV_NATIVE_REPLAY=0 "
+        "(one run)",
     )
     if vllm_rows:
         print_table(
@@ -353,6 +394,15 @@ def main() -> None:
         "vllm": str(args.vllm) if args.vllm is not None else None,
         "vllm_error": vllm_error,
     }
+    conv = [
+        r["refs_per_s"]
+        for r in records
+        if r["trace"] == "conversation_trace.jsonl" and r["policy"] in ("arc", "session", "adaptive")
+    ]
+    if conv:
+        summary["issue25_min_refs_per_s"] = min(conv)
+        summary["issue25_met"] = min(conv) >= TARGET
+        status(f"arc, session, adaptive, conversation trace, every layout: >= {min(conv):,.0f} refs/s")
     if headline is not None:
         summary["met"] = headline >= TARGET
         status(f"lru, conversation trace, cpu 200GiB: {headline:,.0f} refs/s (target {TARGET:,})")

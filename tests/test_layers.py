@@ -66,7 +66,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 APPLICATIONS = ("aiokv.engine", "aiokv.replay", "aiokv.metrics", "aiokv.serve", "aiokv.vllm", "aiokv.cli")
-PLUMBING = ("aiokv._errors", "aiokv._log", "aiokv._lazy", "aiokv._units", "aiokv._version")
+# aiokv._native: the optional C helpers, each the twin of a Python definition (aiokv.replay runs its replay
+# loop in aiokv._native._replay); a leaf of the lowest layer like the rest of the plumbing.
+PLUMBING = ("aiokv._errors", "aiokv._log", "aiokv._lazy", "aiokv._native", "aiokv._units", "aiokv._version")
 CUDA_MODULE = "aiokv.transfer._cuda"
 
 

@@ -22,14 +22,25 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._errors import CapacityError, InvalidArgumentError, InvalidTypeError
-from ..tiers import BlockIndex, make_policy, policy_names
+from ..tiers import (
+    AdaptivePolicy,
+    ARCPolicy,
+    BlockIndex,
+    EvictionPolicy,
+    LRUPolicy,
+    SessionPolicy,
+    make_policy,
+    policy_names,
+)
 from ._groups import GroupPlan, KVGroups, group_rows
 from ._model import DEFAULT_BANDWIDTHS, TTFT_FORMULA, CostModel
 from ._trace import Trace
@@ -46,6 +57,17 @@ __all__ = [
 
 ProgressFn = Callable[[int], None]
 """Called with the number of block references processed since the previous call."""
+
+try:  # _run on interned ids with the built-in policies in C (aiokv/_native/_replay.c); _run defines it
+    from .._native import _replay as _native_replay
+except ImportError:  # pragma: no cover - built without a C compiler
+    _native_replay = None  # type: ignore[assignment]
+if os.environ.get("AIOKV_NATIVE_REPLAY", "1") == "0":
+    _native_replay = None  # type: ignore[assignment]
+
+# A trace's interned keys (ids, offsets, input tokens, unique count), kept while the trace lives: a sweep
+# interns once and replays every point from the same arrays.
+_INTERNED: weakref.WeakKeyDictionary[Trace, tuple[bytes, bytes, bytes, int]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +374,69 @@ def _run(
     return hit_blocks, hit_tokens, stored, staged, total_hit_tokens
 
 
+def _native_spec(policy: EvictionPolicy) -> tuple[Any, ...] | None:
+    """The spec of a fresh built-in ``policy`` for :func:`aiokv._native._replay.run`, or None (not covered:
+    the Python loop runs). Exact types only: a subclass may change any method."""
+    kind = type(policy)
+    if len(policy):
+        return None
+    if kind is LRUPolicy:
+        return ("lru",)
+    if kind is ARCPolicy:
+        assert isinstance(policy, ARCPolicy)
+        return ("arc", policy.capacity) if policy.p == 0.0 else None
+    if kind is SessionPolicy:
+        assert isinstance(policy, SessionPolicy)
+        if policy._retained or policy._priority or policy._next_cold is not None or policy._b1 or policy._b2:
+            return None
+        return ("session", policy.capacity, policy._ghost_cap, policy._step, policy.bonus)
+    if kind is AdaptivePolicy:
+        assert isinstance(policy, AdaptivePolicy)
+        experts = tuple(_native_spec(s) for s in policy._shadows)
+        if any(e is None or e[0] == "adaptive" for e in experts) or policy._refs or policy.switches:
+            return None
+        return (
+            "adaptive",
+            policy.capacity,
+            experts,
+            policy._decay,
+            policy._starts_needed,
+            policy._epoch_refs,
+        )
+    return None
+
+
+def _run_native(
+    trace: Trace, indexes: Sequence[BlockIndex], inflight: int, progress: ProgressFn | None
+) -> tuple[list[int], list[int], list[int], list[int], list[int], int] | None:
+    """:func:`_run` in C when every tier's policy is covered (see :func:`_native_spec`), else None. Returns
+    the counts and each tier's evictions (the indexes themselves are left untouched)."""
+    if _native_replay is None:
+        return None
+    specs: list[tuple[Any, ...]] = []
+    for ix in indexes:
+        spec = _native_spec(ix.policy)
+        if spec is None or len(ix):
+            return None
+        specs.append(spec)
+    interned = _INTERNED.get(trace)
+    if interned is None:
+        interned = _INTERNED[trace] = _native_replay.intern(trace.requests)
+    ids, offsets, limits, unique = interned
+    counts, total_hit_tokens = _native_replay.run(
+        ids,
+        offsets,
+        limits,
+        unique,
+        trace.block_tokens,
+        [(ix.num_slots, spec) for ix, spec in zip(indexes, specs, strict=True)],
+        inflight,
+        progress,
+    )
+    hit_blocks, hit_tokens, stored, staged, evicted, _rejected = (list(c) for c in zip(*counts, strict=True))
+    return hit_blocks, hit_tokens, stored, staged, evicted, total_hit_tokens
+
+
 @dataclass(slots=True)
 class _GroupedCounts:
     hit_blocks: list[int]
@@ -567,10 +652,15 @@ def replay(
     gc.disable()  # millions of small acyclic objects (entries, policy nodes): cyclic GC passes only cost time
     try:
         started = time.perf_counter()
+        evictions: list[int] | None = None
         if plan is None:
-            hit_blocks, hit_tokens, stored, staged, total_hit_tokens = _run(
-                trace, indexes, inflight, progress
-            )
+            native = _run_native(trace, indexes, inflight, progress)
+            if native is not None:
+                hit_blocks, hit_tokens, stored, staged, evictions, total_hit_tokens = native
+            else:
+                hit_blocks, hit_tokens, stored, staged, total_hit_tokens = _run(
+                    trace, indexes, inflight, progress
+                )
             hit_units = [0] * len(tiers)
             skipped_units = 0
         else:
@@ -612,7 +702,7 @@ def replay(
             hit_tokens=hit_tokens[t],
             stored_blocks=stored[t],
             staged_blocks=staged[t],
-            evicted_blocks=index.stats().evictions,
+            evicted_blocks=index.stats().evictions if evictions is None else evictions[t],
             block_bytes=slot_bytes,
             skipped_blocks=hit_blocks[t] if t >= restored else 0,
             skipped_tokens=hit_tokens[t] if t >= restored else 0,

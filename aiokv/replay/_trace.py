@@ -1,4 +1,5 @@
-"""Request traces for ``aiokv replay``: loading JSONL files and generating synthetic multi-turn workloads.
+"""Request traces for ``aiokv replay``: loading JSONL files and generating synthetic workloads of four shapes
+(:func:`synthetic_trace`: chat, agentic, retrieval and a mix).
 
 A trace is a list of requests, each a chain of block keys (``keys[i]`` stands for the prompt prefix up to the
 end of block ``i``). Three row formats are accepted, one JSON object per line:
@@ -23,14 +24,16 @@ most :data:`MAX_LINE_BYTES` bytes and a row at most :data:`MAX_HASH_IDS` ids. An
 from __future__ import annotations
 
 import codecs
+import inspect
+import itertools
 import json
 import math
 import random
 import stat
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, NamedTuple, NoReturn
 
 from .._errors import AiokvError, InvalidArgumentError, InvalidTypeError
 from ..rules import block_hashes, check_token_ids
@@ -39,10 +42,15 @@ __all__ = [
     "MAX_HASH_IDS",
     "MAX_LINE_BYTES",
     "MAX_SYNTHETIC_REFS",
+    "SYNTHETIC_SHAPES",
     "Trace",
     "TraceRequest",
+    "agentic_trace",
+    "chat_trace",
     "load_trace",
     "max_prefix_reuse",
+    "mix_trace",
+    "retrieval_trace",
     "synthetic_trace",
 ]
 
@@ -55,7 +63,7 @@ class TraceRequest:
     output_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class Trace:
     """Requests in arrival order plus totals. Build with :meth:`from_requests`, :func:`load_trace` or
     :func:`synthetic_trace`."""
@@ -281,9 +289,10 @@ def _open_trace(path: Path) -> BinaryIO:
     raise InvalidArgumentError(f"trace must be a readable file, got {got} ({reason})")
 
 
-def _check_block_tokens(block_tokens: object) -> None:
+def _check_block_tokens(block_tokens: object) -> int:
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
         raise InvalidArgumentError(f"block_tokens must be a positive int, got {block_tokens!r}")
+    return block_tokens
 
 
 def load_trace(
@@ -354,7 +363,126 @@ def _check_range(name: str, value: object) -> tuple[int, int]:
     return value[0], value[1]
 
 
-def synthetic_trace(
+def _defaults(generator: Callable[..., Trace], **overrides: object) -> dict[str, object]:
+    """``generator``'s keyword defaults with ``overrides``: a mix's halves use their shapes' own defaults,
+    defined once, in the public signatures."""
+    params = inspect.signature(generator).parameters
+    return {name: p.default for name, p in params.items()} | overrides
+
+
+def _check_probability(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidTypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        shown = repr(value).removesuffix(".0")  # 2.0 -> 2, as the user probably typed it
+        raise InvalidArgumentError(f"{name} must be in [0, 1], got {shown}")
+    return float(value)
+
+
+def _check_seed(seed: object) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidTypeError(f"seed must be an int, got {type(seed).__name__}")
+    return seed
+
+
+def _refuse_size(got: str, detail: str) -> NoReturn:
+    raise InvalidArgumentError(
+        f"synthetic trace must hold at most {MAX_SYNTHETIC_REFS} block references, got {got} ({detail})"
+    )
+
+
+def _check_finite_time(t: float, rate_name: str, rate: float, think_name: str, think: float) -> None:
+    if not math.isfinite(t):
+        raise InvalidArgumentError(
+            f"{rate_name}={rate} and {think_name}={think} put arrival times beyond the float range"
+        )
+
+
+class _Keys:
+    """Fresh block keys ``prefix + counter``: one counter per trace, so every block of a shape is unique, and
+    one prefix per shape, so the halves of a mix never share a key."""
+
+    __slots__ = ("_next", "_prefix")
+
+    def __init__(self, prefix: bytes) -> None:
+        self._prefix = prefix
+        self._next = 0
+
+    def fresh(self, n: int) -> list[bytes]:
+        start, prefix = self._next, self._prefix
+        self._next += n
+        return [prefix + (start + i).to_bytes(8, "little") for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------ chat
+@dataclass(frozen=True, slots=True)
+class _Chat:
+    """The chat shape's validated parameters; :func:`chat_trace` documents them."""
+
+    sessions: int
+    turns: int
+    system_prompts: int
+    system_blocks: int
+    user: tuple[int, int]
+    answer: tuple[int, int]
+    sessions_per_s: float
+    think_s: float
+    block_tokens: int
+    seed: int
+
+    @classmethod
+    def check(
+        cls,
+        sessions: object,
+        turns: object,
+        system_prompts: object,
+        system_blocks: object,
+        user_blocks: object,
+        answer_blocks: object,
+        sessions_per_s: object,
+        think_s: object,
+        block_tokens: object,
+        seed: object,
+    ) -> _Chat:
+        n_sessions = _check_count("sessions", sessions, 1)
+        n_turns = _check_count("turns", turns, 1)
+        n_prompts = _check_count("system_prompts", system_prompts, 1)
+        blocks = _check_count("system_blocks", system_blocks, 0)
+        user = _check_range("user_blocks", user_blocks)
+        answer = _check_range("answer_blocks", answer_blocks)
+        rate = _check_seconds("sessions_per_s", sessions_per_s, positive=True)
+        think = _check_seconds("think_s", think_s, positive=False)
+        bt = _check_block_tokens(block_tokens)
+        return cls(n_sessions, n_turns, n_prompts, blocks, user, answer, rate, think, bt, _check_seed(seed))
+
+    def worst_refs(self) -> int:
+        """Every turn at its longest user message and answer, plus the system prompts' keys."""
+        per_request = 1 + self.system_blocks + self.turns * (self.user[1] + self.answer[1])
+        return self.sessions * self.turns * per_request + self.system_prompts * (1 + self.system_blocks)
+
+    def requests(self) -> list[TraceRequest]:
+        rng = random.Random(self.seed)
+        keys = _Keys(b"syn")
+        rate, think, bt = self.sessions_per_s, self.think_s, self.block_tokens
+        prompts = [keys.fresh(self.system_blocks) for _ in range(self.system_prompts)]
+        requests: list[TraceRequest] = []
+        start = 0.0
+        for _ in range(self.sessions):
+            start += rng.expovariate(rate) * 1000.0
+            history = list(prompts[rng.randrange(self.system_prompts)])
+            t = start
+            for turn in range(self.turns):
+                if turn:
+                    t += rng.expovariate(1.0 / think) * 1000.0 if think > 0 else 0.0
+                _check_finite_time(t, "sessions_per_s", rate, "think_s", think)
+                history += keys.fresh(rng.randint(*self.user))
+                out_blocks = rng.randint(*self.answer)
+                requests.append(TraceRequest(t, tuple(history), len(history) * bt, out_blocks * bt))
+                history += keys.fresh(out_blocks)
+        return requests
+
+
+def chat_trace(
     *,
     sessions: int = 400,
     turns: int = 6,
@@ -367,65 +495,428 @@ def synthetic_trace(
     block_tokens: int = 512,
     seed: int = 0,
 ) -> Trace:
-    """A multi-turn chat workload: each session starts with one of ``system_prompts`` shared system prompts
-    (``system_blocks`` blocks), and every turn's prompt is the whole conversation so far plus a new user
-    message; the answer joins the conversation for the next turn. Sessions arrive as a Poisson process and
+    """A multi-turn chat workload (``synthetic_trace(shape="chat")``, the default shape): each session starts
+    with one of ``system_prompts`` shared system prompts (``system_blocks`` blocks), and every turn's prompt
+    is the whole conversation so far plus a new user message (``user_blocks`` blocks, uniform); the answer
+    (``answer_blocks``) joins the conversation for the next turn. Sessions arrive as a Poisson process and
     wait an exponential think time between turns. Deterministic for a given ``seed``.
 
     Every argument is validated before anything is generated; the worst case may not exceed
     :data:`MAX_SYNTHETIC_REFS` block references.
     """
-    for name, value in (("sessions", sessions), ("turns", turns), ("system_prompts", system_prompts)):
-        _check_count(name, value, 1)
-    _check_count("system_blocks", system_blocks, 0)
-    user_lo, user_hi = _check_range("user_blocks", user_blocks)
-    answer_lo, answer_hi = _check_range("answer_blocks", answer_blocks)
-    rate = _check_seconds("sessions_per_s", sessions_per_s, positive=True)
-    think = _check_seconds("think_s", think_s, positive=False)
-    _check_block_tokens(block_tokens)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidTypeError(f"seed must be an int, got {type(seed).__name__}")
-    worst = sessions * turns * (1 + system_blocks + turns * (user_hi + answer_hi)) + system_prompts * (
-        1 + system_blocks
+    p = _Chat.check(
+        sessions=sessions,
+        turns=turns,
+        system_prompts=system_prompts,
+        system_blocks=system_blocks,
+        user_blocks=user_blocks,
+        answer_blocks=answer_blocks,
+        sessions_per_s=sessions_per_s,
+        think_s=think_s,
+        block_tokens=block_tokens,
+        seed=seed,
     )
+    worst = p.worst_refs()
     if worst > MAX_SYNTHETIC_REFS:
-        raise InvalidArgumentError(
-            f"synthetic trace must hold at most {MAX_SYNTHETIC_REFS} block references, got up to {worst} "
-            f"(sessions={sessions}, turns={turns}, system_blocks={system_blocks})"
+        _refuse_size(
+            f"up to {worst}", f"sessions={p.sessions}, turns={p.turns}, system_blocks={p.system_blocks}"
         )
-    rng = random.Random(seed)
-    counter = 0
-
-    def fresh(n: int) -> list[bytes]:
-        nonlocal counter
-        out = [b"syn" + (counter + i).to_bytes(8, "little") for i in range(n)]
-        counter += n
-        return out
-
-    prompts = [fresh(system_blocks) for _ in range(system_prompts)]
-    requests: list[TraceRequest] = []
-    start = 0.0
-    for _ in range(sessions):
-        start += rng.expovariate(rate) * 1000.0
-        history = list(prompts[rng.randrange(system_prompts)])
-        t = start
-        for turn in range(turns):
-            if turn:
-                t += rng.expovariate(1.0 / think) * 1000.0 if think > 0 else 0.0
-            if not math.isfinite(t):
-                raise InvalidArgumentError(
-                    f"sessions_per_s={sessions_per_s} and think_s={think_s} put arrival times beyond the "
-                    "float range"
-                )
-            history += fresh(rng.randint(user_lo, user_hi))
-            out_blocks = rng.randint(answer_lo, answer_hi)
-            requests.append(
-                TraceRequest(t, tuple(history), len(history) * block_tokens, out_blocks * block_tokens)
-            )
-            history += fresh(out_blocks)
     return Trace.from_requests(
-        f"synthetic(sessions={sessions},turns={turns},seed={seed})", block_tokens, requests
+        f"synthetic(sessions={p.sessions},turns={p.turns},seed={p.seed})", p.block_tokens, p.requests()
     )
+
+
+# --------------------------------------------------------------------------------------------- agentic
+_AGENTIC_MIN_TURNS = 5
+_AGENTIC_TOOL_ALPHA = 1.2  # Pareto shape of a tool result's size: mostly one block, now and then dozens
+_AGENTIC_TOOL_MAX = 60
+_AGENTIC_ACTION_BLOCKS = (1, 4)
+_AGENTIC_SUMMARY_BLOCKS = 40  # what a compaction leaves after the tool prompt
+_AGENTIC_OUTPUT_TOKENS = 64
+
+
+class _AgenticTurn(NamedTuple):
+    """One agent turn, with no keys: the random draws and the lengths they give."""
+
+    prompt: int  # the tool prompt the session starts from, on its first turn; -1 on the others
+    t: float
+    tool: int  # blocks of the tool result appended before the request
+    input_tokens: int
+    action: int  # blocks of the model's action appended after it
+    compact: bool  # the context is compacted after the action
+    refs: int  # blocks in the request
+
+
+@dataclass(frozen=True, slots=True)
+class _Agentic:
+    """The agentic shape's validated parameters; :func:`agentic_trace` documents them."""
+
+    sessions: int
+    turns: int
+    system_prompts: int
+    system_blocks: int
+    context_blocks: int
+    sessions_per_s: float
+    think_s: float
+    block_tokens: int
+    seed: int
+
+    @classmethod
+    def check(
+        cls,
+        sessions: object,
+        turns: object,
+        system_prompts: object,
+        system_blocks: object,
+        context_blocks: object,
+        sessions_per_s: object,
+        think_s: object,
+        block_tokens: object,
+        seed: object,
+    ) -> _Agentic:
+        n_sessions = _check_count("sessions", sessions, 1)
+        n_turns = _check_count("turns", turns, 1)
+        n_prompts = _check_count("system_prompts", system_prompts, 1)
+        blocks = _check_count("system_blocks", system_blocks, 0)
+        context = _check_count("context_blocks", context_blocks, 1)
+        rate = _check_seconds("sessions_per_s", sessions_per_s, positive=True)
+        think = _check_seconds("think_s", think_s, positive=False)
+        bt = _check_block_tokens(block_tokens)
+        return cls(n_sessions, n_turns, n_prompts, blocks, context, rate, think, bt, _check_seed(seed))
+
+    def turns_drawn(self) -> Iterator[_AgenticTurn]:
+        """The trace as lengths. Counting and building both walk it, so the size is known exactly before a
+        single key is made: the number of turns is random and unbounded, so no formula bounds it tightly."""
+        rng = random.Random(self.seed)
+        rate, think, bt = self.sessions_per_s, self.think_s, self.block_tokens
+        start = 0.0
+        for _ in range(self.sessions):
+            start += rng.expovariate(rate) * 1000.0
+            prompt = rng.randrange(self.system_prompts)
+            length = self.system_blocks
+            t = start
+            for turn in range(max(_AGENTIC_MIN_TURNS, int(rng.expovariate(1 / self.turns)))):
+                if turn:
+                    t += rng.expovariate(1 / think) * 1000.0 if think > 0 else 0.0
+                _check_finite_time(t, "sessions_per_s", rate, "think_s", think)
+                tool = min(_AGENTIC_TOOL_MAX, max(1, int(rng.paretovariate(_AGENTIC_TOOL_ALPHA))))
+                length += tool
+                inputs = length * bt - rng.randrange(bt)
+                refs = length
+                action = rng.randint(*_AGENTIC_ACTION_BLOCKS)
+                length += action
+                compact = length > self.context_blocks
+                if compact:
+                    length = self.system_blocks + _AGENTIC_SUMMARY_BLOCKS
+                yield _AgenticTurn(-1 if turn else prompt, t, tool, inputs, action, compact, refs)
+
+    def count_refs(self, limit: int) -> int | None:
+        """The exact block references (and the tool prompts' keys), or ``None`` once past ``limit``. A lower
+        bound refuses a huge request at once: a session has at least five turns, its first request is the
+        prompt plus at least one block and each later one at least two blocks longer (1 + 3 + 5 + 7 + 9)."""
+        total = self.system_prompts * (1 + self.system_blocks)
+        least = _AGENTIC_MIN_TURNS * self.system_blocks + _AGENTIC_MIN_TURNS**2
+        if total + self.sessions * least > limit:
+            return None
+        for turn in self.turns_drawn():
+            total += turn.refs
+            if total > limit:
+                return None
+        return total
+
+    def requests(self) -> list[TraceRequest]:
+        keys = _Keys(b"ag")
+        prompts = [keys.fresh(self.system_blocks) for _ in range(self.system_prompts)]
+        history: list[bytes] = []
+        requests: list[TraceRequest] = []
+        for turn in self.turns_drawn():
+            if turn.prompt >= 0:
+                history = list(prompts[turn.prompt])
+            history += keys.fresh(turn.tool)
+            requests.append(TraceRequest(turn.t, tuple(history), turn.input_tokens, _AGENTIC_OUTPUT_TOKENS))
+            history += keys.fresh(turn.action)
+            if turn.compact:
+                history = history[: self.system_blocks] + keys.fresh(_AGENTIC_SUMMARY_BLOCKS)
+        return requests
+
+    def detail(self) -> str:
+        return (
+            f"sessions={self.sessions}, turns={self.turns}, system_blocks={self.system_blocks}, "
+            f"context_blocks={self.context_blocks}"
+        )
+
+
+def agentic_trace(
+    *,
+    sessions: int = 40,
+    turns: int = 60,
+    system_prompts: int = 3,
+    system_blocks: int = 150,
+    context_blocks: int = 3000,
+    sessions_per_s: float = 0.05,
+    think_s: float = 3.0,
+    block_tokens: int = 512,
+    seed: int = 0,
+) -> Trace:
+    """Coding-agent sessions (``synthetic_trace(shape="agentic")``): long sessions whose context grows by tool
+    calls and is re-sent whole every turn, so request *k + 1* of a session starts with request *k*'s keys.
+
+    Each session starts from one of ``system_prompts`` shared tool prompts of ``system_blocks`` blocks and
+    runs ``max(5, floor(Exp(mean=turns)))`` turns; a turn appends a tool result (Pareto-sized, 1 to 60
+    blocks), sends the whole context, then appends the model's action (1 to 4 blocks; 64 output tokens).
+    Past ``context_blocks`` blocks the context is compacted to the tool prompt plus 40 fresh blocks (a
+    summary), which orphans the long chain. Sessions arrive as a Poisson process (``sessions_per_s``, many
+    active at once) and think ``think_s`` seconds (exponential) between turns. A request's token count
+    ends inside its last block. Deterministic for a given ``seed``.
+
+    The sizes are meant for **64-token blocks** (``block_tokens=64``, ``aiokv replay --block-tokens 64``),
+    the granularity at which agent contexts diverge; ``block_tokens`` stays 512 by default, as for every
+    shape and the command line, and only scales the token counts.
+
+    Every argument is validated before anything is generated. The size is counted exactly before any key is
+    made and may not exceed :data:`MAX_SYNTHETIC_REFS` block references.
+    """
+    p = _Agentic.check(
+        sessions=sessions,
+        turns=turns,
+        system_prompts=system_prompts,
+        system_blocks=system_blocks,
+        context_blocks=context_blocks,
+        sessions_per_s=sessions_per_s,
+        think_s=think_s,
+        block_tokens=block_tokens,
+        seed=seed,
+    )
+    if p.count_refs(MAX_SYNTHETIC_REFS) is None:
+        _refuse_size("more than that", f"shape=agentic, {p.detail()}")
+    return Trace.from_requests(
+        f"synthetic(shape=agentic,sessions={p.sessions},seed={p.seed})", p.block_tokens, p.requests()
+    )
+
+
+# ------------------------------------------------------------------------------------------- retrieval
+_RETRIEVAL_QUESTION_BLOCKS = (1, 2)
+_RETRIEVAL_FOLLOW_UP_BLOCKS = 2
+_RETRIEVAL_FOLLOW_UP_MS = 20_000.0
+_RETRIEVAL_OUTPUT_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class _Retrieval:
+    """The retrieval shape's validated parameters; :func:`retrieval_trace` documents them."""
+
+    questions: int
+    docs: int
+    doc_blocks: tuple[int, int]
+    system_blocks: int
+    questions_per_s: float
+    follow_up: float
+    block_tokens: int
+    seed: int
+
+    @classmethod
+    def check(
+        cls,
+        questions: object,
+        docs: object,
+        doc_blocks: object,
+        system_blocks: object,
+        questions_per_s: object,
+        follow_up: object,
+        block_tokens: object,
+        seed: object,
+    ) -> _Retrieval:
+        n_questions = _check_count("questions", questions, 1)
+        n_docs = _check_count("docs", docs, 1)
+        sizes = _check_range("doc_blocks", doc_blocks)
+        blocks = _check_count("system_blocks", system_blocks, 0)
+        rate = _check_seconds("questions_per_s", questions_per_s, positive=True)
+        p_follow = _check_probability("follow_up", follow_up)
+        bt = _check_block_tokens(block_tokens)
+        return cls(n_questions, n_docs, sizes, blocks, rate, p_follow, bt, _check_seed(seed))
+
+    def worst_refs(self) -> int:
+        """Every question on the longest document and followed up, plus the documents' keys."""
+        longest = self.system_blocks + self.doc_blocks[1]
+        per_question = 2 * longest + _RETRIEVAL_QUESTION_BLOCKS[1] * 2 + _RETRIEVAL_FOLLOW_UP_BLOCKS
+        return self.questions * per_question + self.system_blocks + self.docs * (1 + self.doc_blocks[1])
+
+    def requests(self) -> list[TraceRequest]:
+        rng = random.Random(self.seed)
+        keys = _Keys(b"rt")
+        bt = self.block_tokens
+        system = keys.fresh(self.system_blocks)
+        documents = [keys.fresh(rng.randint(*self.doc_blocks)) for _ in range(self.docs)]
+        # Zipf popularity; cumulative once (random.choices would sum the weights on every call)
+        cum_weights = list(itertools.accumulate(1 / (i + 1) for i in range(self.docs)))
+        population = range(self.docs)
+        requests: list[TraceRequest] = []
+        t = 0.0
+        for _ in range(self.questions):
+            t += rng.expovariate(self.questions_per_s) * 1000.0
+            if not math.isfinite(t + _RETRIEVAL_FOLLOW_UP_MS):
+                raise InvalidArgumentError(
+                    f"questions_per_s={self.questions_per_s} puts arrival times beyond the float range"
+                )
+            doc = documents[rng.choices(population, cum_weights=cum_weights)[0]]
+            history = system + doc + keys.fresh(rng.randint(*_RETRIEVAL_QUESTION_BLOCKS))
+            inputs = len(history) * bt - rng.randrange(bt)
+            requests.append(TraceRequest(t, tuple(history), inputs, _RETRIEVAL_OUTPUT_TOKENS))
+            if rng.random() < self.follow_up:
+                history = history + keys.fresh(_RETRIEVAL_FOLLOW_UP_BLOCKS)
+                inputs = len(history) * bt - rng.randrange(bt)
+                requests.append(
+                    TraceRequest(
+                        t + _RETRIEVAL_FOLLOW_UP_MS, tuple(history), inputs, _RETRIEVAL_OUTPUT_TOKENS
+                    )
+                )
+        return requests
+
+    def detail(self) -> str:
+        return (
+            f"questions={self.questions}, docs={self.docs}, doc_blocks={self.doc_blocks}, "
+            f"system_blocks={self.system_blocks}"
+        )
+
+
+def retrieval_trace(
+    *,
+    questions: int = 4000,
+    docs: int = 12,
+    doc_blocks: tuple[int, int] = (50, 400),
+    system_blocks: int = 4,
+    questions_per_s: float = 5.0,
+    follow_up: float = 0.3,
+    block_tokens: int = 512,
+    seed: int = 0,
+) -> Trace:
+    """Retrieval-augmented questions (``synthetic_trace(shape="retrieval")``): a few large shared documents
+    behind many short questions, so nearly every block is a document block re-read by many requests.
+
+    ``docs`` documents of ``doc_blocks`` blocks (uniform), Zipf-popular (document *i* drawn with weight
+    1/(i + 1)), sit behind a shared system prompt of ``system_blocks`` blocks; each of ``questions``
+    questions (a Poisson process, ``questions_per_s``) is the system prompt, one document and 1 to 2 blocks
+    of question; with probability ``follow_up`` a follow-up 20 s later re-sends it plus 2 blocks. Answers
+    are 256 tokens; a request's token count ends inside its last block. Deterministic for a given ``seed``.
+
+    Every argument is validated before anything is generated; the worst case may not exceed
+    :data:`MAX_SYNTHETIC_REFS` block references.
+    """
+    p = _Retrieval.check(
+        questions=questions,
+        docs=docs,
+        doc_blocks=doc_blocks,
+        system_blocks=system_blocks,
+        questions_per_s=questions_per_s,
+        follow_up=follow_up,
+        block_tokens=block_tokens,
+        seed=seed,
+    )
+    worst = p.worst_refs()
+    if worst > MAX_SYNTHETIC_REFS:
+        _refuse_size(f"up to {worst}", f"shape=retrieval, {p.detail()}")
+    return Trace.from_requests(
+        f"synthetic(shape=retrieval,questions={p.questions},docs={p.docs},seed={p.seed})",
+        p.block_tokens,
+        p.requests(),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- mix
+_MIX_SECOND_SHAPES = ("agentic", "retrieval")
+"""The shapes :func:`mix_trace` can shift to half-way."""
+
+
+def mix_trace(
+    *, then: str = "retrieval", sessions: int = 400, block_tokens: int = 512, seed: int = 0
+) -> Trace:
+    """A workload whose shape shifts half-way (``synthetic_trace(shape="mix")``): a chat workload
+    (:func:`chat_trace` with ``sessions`` sessions, its other defaults) for the first half of the time, then
+    the ``then`` shape (``"retrieval"`` by default, or ``"agentic"``; its defaults) for the second half.
+
+    The first half spans ``[0, T]``, ``T`` the chat's last arrival; the second half is shifted to start at
+    ``T`` and cut at ``2 T``, so a policy tuned to the first half has as long again to follow the shift.
+    The halves never share a key (each shape has its own key prefix), so nothing learnt on the chat pays off
+    after the shift. Retrieval is the default because, like chat, it is sized for the default 512-token
+    blocks; the agentic half is sized for 64 (see :func:`agentic_trace`). Deterministic for a given
+    ``seed``, which both halves use.
+
+    Every argument is validated before anything is generated; the two halves together may not exceed
+    :data:`MAX_SYNTHETIC_REFS` block references.
+    """
+    if not isinstance(then, str) or then not in _MIX_SECOND_SHAPES:
+        raise InvalidArgumentError(f"then must be one of {list(_MIX_SECOND_SHAPES)}, got {then!r}")
+    chat = _Chat.check(**_defaults(chat_trace, sessions=sessions, block_tokens=block_tokens, seed=seed))
+    chat_refs = chat.worst_refs()
+    detail = f"shape=mix, then={then}, sessions={chat.sessions}"
+    second: _Agentic | _Retrieval
+    if then == "agentic":
+        second = _Agentic.check(**_defaults(agentic_trace, block_tokens=block_tokens, seed=seed))
+        counted = second.count_refs(max(0, MAX_SYNTHETIC_REFS - chat_refs))
+        if counted is None:
+            _refuse_size("more than that", detail)
+        second_refs = counted
+    else:
+        second = _Retrieval.check(**_defaults(retrieval_trace, block_tokens=block_tokens, seed=seed))
+        second_refs = second.worst_refs()
+    if chat_refs + second_refs > MAX_SYNTHETIC_REFS:
+        _refuse_size(f"up to {chat_refs + second_refs}", detail)
+    first = chat.requests()
+    half = max(r.timestamp_ms for r in first)
+    shifted = [
+        TraceRequest(half + r.timestamp_ms, r.keys, r.input_tokens, r.output_tokens)
+        for r in second.requests()
+        if r.timestamp_ms <= half
+    ]
+    return Trace.from_requests(
+        f"synthetic(shape=mix,then={then},sessions={chat.sessions},seed={chat.seed})",
+        chat.block_tokens,
+        first + shifted,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+_SHAPES: dict[str, Callable[..., Trace]] = {
+    "agentic": agentic_trace,
+    "chat": chat_trace,
+    "mix": mix_trace,
+    "retrieval": retrieval_trace,
+}
+
+SYNTHETIC_SHAPES = tuple(sorted(_SHAPES))
+"""The workload shapes :func:`synthetic_trace` generates: ``("agentic", "chat", "mix", "retrieval")``."""
+
+
+def _shape_options(shape: str) -> tuple[str, ...]:
+    """The keyword options ``shape``'s generator takes (its function's parameters), sorted."""
+    generator = _SHAPES.get(shape) if isinstance(shape, str) else None
+    if generator is None:
+        raise InvalidArgumentError(f"shape must be one of {list(SYNTHETIC_SHAPES)}, got {shape!r}")
+    return tuple(sorted(inspect.signature(generator).parameters))
+
+
+def synthetic_trace(*, shape: str = "chat", **options: Any) -> Trace:
+    """A synthetic workload of one of :data:`SYNTHETIC_SHAPES`, the ``aiokv replay synthetic:...`` trace:
+    ``options`` go to the shape's generator, which documents them and their defaults:
+
+    - ``"chat"`` (the default; :func:`chat_trace`): multi-turn chats behind a few shared system prompts.
+      ``synthetic_trace()`` and ``synthetic_trace(seed=1)`` are what they were before there were shapes;
+    - ``"agentic"`` (:func:`agentic_trace`): long agent sessions whose context grows by tool calls and is
+      re-sent every turn, sized for 64-token blocks;
+    - ``"retrieval"`` (:func:`retrieval_trace`): a few large shared documents behind many short questions;
+    - ``"mix"`` (:func:`mix_trace`): chat for the first half of the time, then retrieval (or agentic).
+
+    Each shape has its own defaults, which is why they are separate functions rather than one parameter
+    list: 400 chat sessions are light, 400 agent sessions are not. An unknown shape raises
+    :class:`InvalidArgumentError`, an option the shape does not take :class:`InvalidTypeError` (as Python
+    does for an unexpected keyword); the generator validates the values and bounds the size by
+    :data:`MAX_SYNTHETIC_REFS` before generating.
+    """
+    names = _shape_options(shape)
+    for name in options:
+        if name not in names:
+            raise InvalidTypeError(f"{shape} trace option must be one of {list(names)}, got {name!r}")
+    return _SHAPES[shape](**options)
 
 
 def max_prefix_reuse(requests: Sequence[TraceRequest]) -> int:

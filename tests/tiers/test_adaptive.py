@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokv.errors import InvalidArgumentError
-from aiokv.replay import CostModel, TierConfig, replay, synthetic_trace
+from aiokv.replay import CostModel, TierConfig, _sim, replay, synthetic_trace
 from aiokv.tiers import AdaptivePolicy, BlockIndex, make_policy, policy_names, register_policy
 from aiokv.tiers._policies import _REGISTRY
 
@@ -45,7 +45,7 @@ def test_following_one_expert_is_that_expert(expert: str, slots: int) -> None:
     follow.check_invariants()
 
 
-def test_the_leader_is_the_expert_the_workload_rewards() -> None:
+def test_the_leader_is_the_expert_the_workload_rewards(monkeypatch: pytest.MonkeyPatch) -> None:
     # A small tier on a chat workload: ARC keeps the shared system prompts, LRU cycles through sessions.
     trace = synthetic_trace(seed=1)
     cap = 35 * 512 * KV
@@ -62,6 +62,8 @@ def test_the_leader_is_the_expert_the_workload_rewards() -> None:
         return made[-1]
 
     register_policy("adaptive-probe", factory)
+    # The policy object is inspected afterwards, so the replay must run it (the C replay keeps its own state).
+    monkeypatch.setattr(_sim, "_native_replay", None)
     try:
         replay(trace, [TierConfig("cpu", cap)], policy="adaptive-probe", kv_bytes_per_token=KV, cost=COST)
     finally:
