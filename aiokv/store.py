@@ -310,9 +310,7 @@ class BlockStore:
 
     def _check_pending(self, keys: Sequence[bytes], what: str) -> None:
         index = self.index
-        key = index.first_not_pending(keys)
-        if key is None and len(keys) > 1 and len(set(keys)) < len(keys):
-            key = next(k for i, k in enumerate(keys) if k in keys[:i])
+        key = index.first_not_pending_or_repeated(keys)
         if key is not None:
             raise RequestStateError(
                 f"{what}: key {_short(key)} is not a pending reservation of this store "

@@ -483,7 +483,152 @@ static PyTypeObject CopyJobType = {
     .tp_new = job_new,
 };
 
+/* ------------------------------------------------------------------------------------------ plan_blocks */
+
+typedef struct {
+    long long slot, block;
+} pair_t;
+
+static int pair_cmp(const void *a, const void *b) {
+    const pair_t *x = a, *y = b;
+    if (x->slot != y->slot) return x->slot < y->slot ? -1 : 1;
+    if (x->block != y->block) return x->block < y->block ? -1 : 1;
+    return 0;
+}
+
+/* An int64 buffer's items (C-contiguous, format "q" or "l" of 8 bytes), as plan_blocks reads its layout. */
+static int int64_view(PyObject *obj, Py_buffer *v, const char *name, Py_ssize_t want) {
+    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (v->itemsize != 8 || v->format == NULL || !(strcmp(v->format, "q") == 0 || strcmp(v->format, "l") == 0 ||
+                                                    strcmp(v->format, "<q") == 0 || strcmp(v->format, "<l") == 0 ||
+                                                    strcmp(v->format, "=q") == 0 || strcmp(v->format, "=l") == 0)) {
+        PyErr_Format(PyExc_ValueError, "plan_blocks: %s must be an int64 array", name);
+        PyBuffer_Release(v);
+        return -1;
+    }
+    if (want >= 0 && v->len / 8 != want) {
+        PyErr_Format(PyExc_ValueError, "plan_blocks: %s has %zd items, expected %zd", name, v->len / 8, want);
+        PyBuffer_Release(v);
+        return -1;
+    }
+    return 0;
+}
+
+/* plan_blocks(block_ids, slot_ids, bases, strides, lens, offs, slot_bytes, host_base, seg_buf)
+ *   -> (engine_offsets, host_offsets, nbytes, engine_index, n)
+ * KVLayout.copy_plan of the pairs (slot_ids[i], block_ids[i]) sorted by (slot, block) -- the executor's merged
+ * batch, slot order -- in one pass: for pair i and segment j, engine bases[j] + block * strides[j], host
+ * host_base + slot * slot_bytes + offs[j], length lens[j]. bases[j] is relative to the engine buffer segment j
+ * lies in, seg_buf[j] (an int64 array, or None: all in buffer 0), which engine_index repeats per pair (None
+ * without seg_buf). The results are bytearrays of int64 (np.frombuffer views them); n is the number of pairs.
+ * The copy kernel checks every segment against its buffer, as it does for the Python plan: this only computes
+ * it (an overflow is an OverflowError). */
+static PyObject *plan_blocks(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "plan_blocks() takes 9 arguments");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *slots = args[1];
+    if (!(PyList_CheckExact(blocks) || PyTuple_CheckExact(blocks)) ||
+        !(PyList_CheckExact(slots) || PyTuple_CheckExact(slots))) {
+        PyErr_SetString(PyExc_TypeError, "plan_blocks: block_ids and slot_ids must be lists or tuples");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
+    if (PySequence_Fast_GET_SIZE(slots) != n) {
+        PyErr_SetString(PyExc_ValueError, "plan_blocks: block_ids and slot_ids must have the same length");
+        return NULL;
+    }
+    long long slot_bytes = PyLong_AsLongLong(args[6]), host_base = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *out_e = NULL, *out_h = NULL, *out_n = NULL, *out_i = NULL, *result = NULL;
+    pair_t *pairs = NULL;
+    Py_buffer vb, vs, vl, vo, vi;
+    int have_index = args[8] != Py_None;
+    if (int64_view(args[2], &vb, "bases", -1) < 0) return NULL;
+    Py_ssize_t nseg = vb.len / 8;
+    if (int64_view(args[3], &vs, "strides", nseg) < 0) goto fail_b;
+    if (int64_view(args[4], &vl, "lens", nseg) < 0) goto fail_s;
+    if (int64_view(args[5], &vo, "offs", nseg) < 0) goto fail_l;
+    if (have_index && int64_view(args[8], &vi, "seg_buf", nseg) < 0) goto fail_o;
+    pairs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(pair_t));
+    if (pairs == NULL) {
+        PyErr_NoMemory();
+        goto fail_i;
+    }
+    int sorted = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long b = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(blocks, i));
+        long long sl = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(slots, i));
+        if ((b == -1 || sl == -1) && PyErr_Occurred()) goto fail_pairs;
+        pairs[i].slot = sl;
+        pairs[i].block = b;
+        if (i && sorted && pair_cmp(&pairs[i - 1], &pairs[i]) > 0) sorted = 0;
+    }
+    if (!sorted) qsort(pairs, (size_t)n, sizeof(pair_t), pair_cmp);
+    if (nseg && n > PY_SSIZE_T_MAX / 8 / nseg) {
+        PyErr_NoMemory();
+        goto fail_pairs;
+    }
+    Py_ssize_t total = n * nseg;
+    out_e = PyByteArray_FromStringAndSize(NULL, total * 8);
+    out_h = PyByteArray_FromStringAndSize(NULL, total * 8);
+    out_n = PyByteArray_FromStringAndSize(NULL, total * 8);
+    if (have_index) out_i = PyByteArray_FromStringAndSize(NULL, total * 8);
+    if (out_e == NULL || out_h == NULL || out_n == NULL || (have_index && out_i == NULL)) goto fail_pairs;
+    {
+        int64_t *e = (int64_t *)PyByteArray_AS_STRING(out_e), *h = (int64_t *)PyByteArray_AS_STRING(out_h),
+                *nb = (int64_t *)PyByteArray_AS_STRING(out_n);
+        int64_t *ix = have_index ? (int64_t *)PyByteArray_AS_STRING(out_i) : NULL;
+        const int64_t *seg_buf = have_index ? vi.buf : NULL;
+        const int64_t *bases = vb.buf, *strides = vs.buf, *lens = vl.buf, *offs = vo.buf;
+        int overflow = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long long slot_addr;
+            overflow |= __builtin_mul_overflow(pairs[i].slot, slot_bytes, &slot_addr);
+            overflow |= __builtin_add_overflow(slot_addr, host_base, &slot_addr);
+            for (Py_ssize_t j = 0; j < nseg; j++) {
+                long long a;
+                overflow |= __builtin_mul_overflow(pairs[i].block, (long long)strides[j], &a);
+                overflow |= __builtin_add_overflow(a, (long long)bases[j], &a);
+                long long ho;
+                overflow |= __builtin_add_overflow(slot_addr, (long long)offs[j], &ho);
+                e[i * nseg + j] = a;
+                h[i * nseg + j] = ho;
+                nb[i * nseg + j] = lens[j];
+                if (ix != NULL) ix[i * nseg + j] = seg_buf[j];
+            }
+        }
+        if (overflow) {
+            PyErr_SetString(PyExc_OverflowError, "plan_blocks: an address overflows int64");
+            goto fail_pairs;
+        }
+    }
+    result = Py_BuildValue("(OOOOn)", out_e, out_h, out_n, have_index ? out_i : Py_None, n);
+fail_pairs:
+    PyMem_Free(pairs);
+    Py_XDECREF(out_e);
+    Py_XDECREF(out_h);
+    Py_XDECREF(out_n);
+    Py_XDECREF(out_i);
+fail_i:
+    if (have_index) PyBuffer_Release(&vi);
+fail_o:
+    PyBuffer_Release(&vo);
+fail_l:
+    PyBuffer_Release(&vl);
+fail_s:
+    PyBuffer_Release(&vs);
+fail_b:
+    PyBuffer_Release(&vb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"plan_blocks", (PyCFunction)(void (*)(void))plan_blocks, METH_FASTCALL,
+     "plan_blocks(block_ids, slot_ids, bases, strides, lens, offs, slot_bytes, host_base, seg_buf) -> "
+     "(engine_offsets, host_offsets, nbytes, engine_index, n): KVLayout.copy_plan of the pairs sorted by (slot, "
+     "block), as int64 bytearrays; bases relative to each segment's engine buffer seg_buf[j] (None: buffer 0)."},
     {"copy_segments", (PyCFunction)(void (*)(void))copy_segments, METH_VARARGS | METH_KEYWORDS,
      "copy_segments(dst, dst_index, dst_offsets, src, src_index, src_offsets, nbytes, group=1, chunk=512, "
      "stream=-1): memcpy each segment src[src_index[i]][src_offsets[i]:][:nbytes[i]] -> the same in dst, GIL "

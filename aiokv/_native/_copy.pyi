@@ -45,3 +45,19 @@ class CopyJob:
     def done(self) -> bool: ...
     def run(self) -> int: ...
     def wait(self) -> None: ...
+
+# KVLayout.copy_plan of the pairs (slot_ids[i], block_ids[i]) sorted by (slot, block): for pair i and segment j,
+# engine bases[j] + block * strides[j] (bases relative to engine buffer seg_buf[j]; seg_buf None: buffer 0),
+# host host_base + slot * slot_bytes + offs[j], length lens[j]. Results are int64 bytearrays (engine offsets,
+# host offsets, lengths, engine buffer index or None) and the number of pairs.
+def plan_blocks(
+    block_ids: Sequence[int],  # a list or tuple (anything else is a TypeError)
+    slot_ids: Sequence[int],
+    bases: npt.NDArray[np.int64],
+    strides: npt.NDArray[np.int64],
+    lens: npt.NDArray[np.int64],
+    offs: npt.NDArray[np.int64],
+    slot_bytes: int,
+    host_base: int,
+    seg_buf: npt.NDArray[np.int64] | None,
+) -> tuple[bytearray, bytearray, bytearray, bytearray | None, int]: ...

@@ -329,12 +329,71 @@ fail:
     return NULL;
 }
 
+/* first_not_pending(keys, slots, state) -> int: BlockStore._check_pending's scan. The position of the first of
+ * keys that is not a PENDING entry (absent, or READY); when every key is pending, the position of the first
+ * key that repeats an earlier one; -1 when neither. Repeats are found without a set: each pending key's state
+ * byte is marked while the keys are scanned (a second visit finds the mark), then restored. */
+#define SCAN_MARK 0xFF
+static PyObject *first_not_pending(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "first_not_pending() takes 3 arguments");
+        return NULL;
+    }
+    PyObject *keys = args[0], *slots = args[1], *state = args[2];
+    if (!(PyList_CheckExact(keys) || PyTuple_CheckExact(keys)) || !PyDict_CheckExact(slots) ||
+        !PyByteArray_CheckExact(state)) {
+        PyErr_SetString(PyExc_TypeError, "first_not_pending(): keys list/tuple, slots dict, state bytearray");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), size = PyByteArray_GET_SIZE(state);
+    unsigned char *st = (unsigned char *)PyByteArray_AS_STRING(state);
+    /* Pass 1: the slot of each key (a small stack array, else the heap), the first not pending. */
+    Py_ssize_t local[256], *at = n <= 256 ? local : PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
+    if (at == NULL) return PyErr_NoMemory();
+    Py_ssize_t found = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *slot_obj = PyDict_GetItemWithError(slots, PySequence_Fast_GET_ITEM(keys, i));
+        if (slot_obj == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            found = i;
+            break;
+        }
+        Py_ssize_t slot = PyLong_AsSsize_t(slot_obj);
+        if (slot == -1 && PyErr_Occurred()) goto fail;
+        if (slot < 0 || slot >= size || st[slot] != PENDING) {
+            found = i;
+            break;
+        }
+        at[i] = slot;
+    }
+    if (found < 0) {
+        /* Pass 2: every key is pending; the first repeat. No Python code runs between marking and restoring. */
+        Py_ssize_t marked = 0;
+        for (; marked < n; marked++) {
+            if (st[at[marked]] == SCAN_MARK) {
+                found = marked;
+                break;
+            }
+            st[at[marked]] = SCAN_MARK;
+        }
+        for (Py_ssize_t i = 0; i < marked; i++) st[at[i]] = PENDING;
+    }
+    if (at != local) PyMem_Free(at);
+    return PyLong_FromSsize_t(found);
+fail:
+    if (at != local) PyMem_Free(at);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"touch_prefix", (PyCFunction)(void (*)(void))touch_prefix, METH_FASTCALL,
      "touch_prefix(keys, start, slots, state, order, run, last) -> (n, last)"},
     {"insert_chain", (PyCFunction)(void (*)(void))insert_chain, METH_FASTCALL,
      "insert_chain(keys, start, slots, state, free, key_of, parent_of, depth_of, on_evict, order, run, last)"
      " -> (inserted, evicted, rejected, last)"},
+    {"first_not_pending", (PyCFunction)(void (*)(void))first_not_pending, METH_FASTCALL,
+     "first_not_pending(keys, slots, state) -> int: the position of the first key not PENDING, else of the first "
+     "repeated key, else -1"},
     {"commit_run", (PyCFunction)(void (*)(void))commit_run, METH_FASTCALL,
      "commit_run(keys, slots, state, parent_of, order, run, last) -> (n, last)"},
     {NULL, NULL, 0, NULL},

@@ -27,3 +27,6 @@ def insert_chain(
     last: bytes | None,
     /,
 ) -> tuple[int, int, int, bytes | None]: ...
+def first_not_pending(
+    keys: list[bytes] | tuple[bytes, ...], slots: dict[bytes, int], state: bytearray, /
+) -> int: ...

@@ -58,9 +58,22 @@ static Py_ssize_t slot_offset[S_COUNT];
 
 #define SLOT(obj, i) (*(PyObject **)((char *)(obj) + slot_offset[i]))
 
-/* The value of an exact int that fits a long long; 0 (with no exception set) when it is not one. */
+/* The value of an exact int that fits a long long; 0 (with no exception set) when it is not one. Token ids,
+ * block ids and counts are almost always one-digit ints: read inline, without a call. */
 static inline int as_ll(PyObject *v, long long *out) {
     if (v == NULL || !PyLong_CheckExact(v)) return 0;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)v)) {
+        *out = (long long)PyUnstable_Long_CompactValue((PyLongObject *)v);
+        return 1;
+    }
+#else
+    Py_ssize_t size = Py_SIZE(v);
+    if (size == 0 || size == 1 || size == -1) {
+        *out = (long long)size * (long long)((PyLongObject *)v)->ob_digit[0];
+        return 1;
+    }
+#endif
     int overflow;
     long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (overflow) return 0;
@@ -71,6 +84,38 @@ static inline int as_ll(PyObject *v, long long *out) {
     *out = x;
     return 1;
 }
+
+/* list.append for a list this module owns the growth of: the same as PyList_Append, except that a full list
+ * grows by half its size rather than CPython's eighth, so a request's token list, appended to on every step,
+ * is reallocated (and copied) a third as often. */
+static inline int append_grow(PyObject *list, PyObject *item) {
+    PyListObject *l = (PyListObject *)list;
+    Py_ssize_t n = Py_SIZE(l);
+    if (n < l->allocated) {
+        Py_INCREF(item);
+        l->ob_item[n] = item;
+        Py_SET_SIZE(l, n + 1);
+        return 0;
+    }
+    if (n >= 64 && n < PY_SSIZE_T_MAX / (2 * (Py_ssize_t)sizeof(PyObject *))) {
+        Py_ssize_t want = n + (n >> 1);
+        PyObject **items = PyMem_Realloc(l->ob_item, (size_t)want * sizeof(PyObject *));
+        if (items != NULL) {
+            l->ob_item = items;
+            l->allocated = want;
+            Py_INCREF(item);
+            items[n] = item;
+            Py_SET_SIZE(l, n + 1);
+            return 0;
+        }
+    }
+    return PyList_Append(list, item);
+}
+
+/* The loop's thread id as the requests hold it: one int object shared by every request of an offloader
+ * (Request._tid = off.thread), so its value is cached by identity. */
+static PyObject *tid_obj = NULL; /* a strong reference: its address is not reused while it is cached */
+static unsigned long tid_val = 0;
 
 static inline int set_slot(PyObject *obj, int i, PyObject *value) {
     PyObject *old = SLOT(obj, i);
@@ -131,13 +176,24 @@ static int fast_step(PyObject *req, PyObject *n, PyObject *toks, PyObject *ids) 
     __builtin_prefetch(SLOT(req, S_BLOCKS));
     /* The loop's thread: any other thread goes to the Python method, which raises WrongThreadError. */
     PyObject *tid = SLOT(req, S_TID);
-    if (tid == NULL || !PyLong_CheckExact(tid)) return 0;
-    unsigned long want = PyLong_AsUnsignedLong(tid);
-    if (want == (unsigned long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
+    unsigned long want;
+    if (tid != NULL && tid == tid_obj) {
+        want = tid_val;
+    } else {
+        if (tid == NULL || !PyLong_CheckExact(tid)) return 0;
+        want = PyLong_AsUnsignedLong(tid);
+        if (want == (unsigned long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
     }
     if (want != PyThread_get_thread_ident()) return 0;
+    if (tid != tid_obj) {
+        /* Cache it (kept alive here, so its address cannot be reused by another int). */
+        Py_INCREF(tid);
+        Py_XSETREF(tid_obj, tid);
+        tid_val = want;
+    }
     if (SLOT(req, S_STATE) != running_state || SLOT(req, S_ABORT) != Py_False || SLOT(req, S_HIT) != Py_None)
         return 0;
     if (!as_ll(n, &nv) || !as_ll(SLOT(req, S_COMPUTED), &computed) || nv < computed) return 0;
@@ -186,9 +242,12 @@ static int fast_step(PyObject *req, PyObject *n, PyObject *toks, PyObject *ids) 
         if (PyList_Append(blocks, id_items[i]) < 0 || PySet_Add(held, id_items[i]) < 0) return -1;
     }
     for (Py_ssize_t i = 0; i < nt; i++) {
-        if (PyList_Append(token_ids, tok_items[i]) < 0) return -1;
+        if (append_grow(token_ids, tok_items[i]) < 0) return -1;
     }
     set_slot(req, S_COMPUTED, n);
+    /* nv / bs > upto, without the division on the steps that complete no block (15 of 16 at block 16). */
+    long long next_edge;
+    if (upto >= 0 && upto < LLONG_MAX && !__builtin_mul_overflow(upto + 1, bs, &next_edge) && nv < next_edge) return 1;
     long long full = nv / bs;
     if (full > upto) {
         PyObject *old = PyLong_FromLongLong(upto), *new_full = PyLong_FromLongLong(full);

@@ -40,6 +40,9 @@ if os.environ.get("AIOKV_NATIVE_LRU", "1") == "0":
     _native_lru = None  # type: ignore[assignment]
 # commit_run with the LRU policy in C (the completion of every stored block); None: the Python loop.
 _native_commit = getattr(_native_lru, "commit_run", None) if _native_lru is not None else None
+_native_first_not_pending = (
+    getattr(_native_lru, "first_not_pending", None) if _native_lru is not None else None
+)
 
 
 def _policy_fast_paths() -> dict[type, tuple[Callable[..., Any], Callable[..., Any]]]:
@@ -185,6 +188,18 @@ class BlockIndex:
             if slot is None or state[slot] != _PENDING:
                 return key
         return None
+
+    def first_not_pending_or_repeated(self, keys: Sequence[bytes]) -> bytes | None:
+        """The first of ``keys`` that is not a PENDING entry; when all are, the first that repeats an earlier
+        one (a copy's keys must be distinct pending reservations); else ``None``. One completed copy's check,
+        in C where it is built."""
+        if _native_first_not_pending is not None and type(keys) in (list, tuple):
+            i = _native_first_not_pending(keys, self._slots, self._state)
+            return None if i < 0 else keys[i]
+        key = self.first_not_pending(keys)
+        if key is None and len(keys) > 1 and len(set(keys)) < len(keys):
+            key = next(k for i, k in enumerate(keys) if k in keys[:i])
+        return key
 
     def first_not_pinned(self, keys: Iterable[bytes]) -> bytes | None:
         """The first of ``keys`` that is absent or not pinned, else ``None``. (A key given twice must be pinned

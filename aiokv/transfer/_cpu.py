@@ -33,15 +33,18 @@ __all__ = [
 try:
     from .._native._copy import CopyJob as _CopyJob
     from .._native._copy import copy_segments as _native_copy
+    from .._native._copy import plan_blocks as _native_plan
 
     HAVE_NATIVE = True
 except ImportError:  # pragma: no cover - exercised only without a C compiler
     _native_copy = None  # type: ignore[assignment]
     _CopyJob = None  # type: ignore[assignment,misc]
+    _native_plan = None  # type: ignore[assignment]
     HAVE_NATIVE = False
 if os.environ.get("AIOKV_NATIVE_COPY", "1") == "0":  # the checked Python copy (to compare, or to rule C out)
     _native_copy = None  # type: ignore[assignment]
     _CopyJob = None  # type: ignore[assignment,misc]
+    _native_plan = None  # type: ignore[assignment]
     HAVE_NATIVE = False
 
 Int64Array = npt.NDArray[np.int64]
@@ -127,6 +130,29 @@ class CopyPlanner:
         self._starts = np.asarray([b[0] for b in bufs], dtype=np.int64)
         self._engine = tuple(b[1] for b in bufs)
         self._host = None if host is None else self.host_side(host)
+        # A plain KVLayout's plan (bases + block * stride, slot * slot_bytes + offset) is also computed in C,
+        # sorted and all, by plan(slot_order=True): the store and load threads plan every tick's batch while
+        # holding the GIL, and numpy's dozen small-array calls per plan cost the event loop ~50 us a tick.
+        self._fast: tuple[Int64Array, Int64Array, Int64Array, Int64Array, int] | None = None
+        self._fast_index: Int64Array | None = None
+        if _native_plan is not None and type(layout).copy_plan is _kv_copy_plan():
+            bases, lens, offs = (np.asarray(a, dtype=np.int64) for a in layout._segments())
+            strides = np.asarray(layout.block_strides(), dtype=np.int64)
+            # Which engine buffer each segment of a block lies in (a tensor's blocks are all in the buffer
+            # of its span), and its offset there: fixed per layout, so a plan needs no lookup per address.
+            seg_buf = np.searchsorted(self._starts, bases, side="right") - 1
+            if len(bases) and seg_buf.min() >= 0:
+                rel = bases - self._starts[seg_buf]
+                self._fast = (
+                    np.ascontiguousarray(rel, dtype=np.int64),
+                    np.ascontiguousarray(strides),
+                    np.ascontiguousarray(lens),
+                    np.ascontiguousarray(offs),
+                    int(layout.slot_bytes),
+                )
+                self._fast_index = (
+                    None if len(self._starts) == 1 else np.ascontiguousarray(seg_buf, dtype=np.int64)
+                )
 
     @staticmethod
     def host_side(host: torch.Tensor) -> tuple[tuple[Any, ...], int]:
@@ -134,21 +160,55 @@ class CopyPlanner:
         return (tensor_bytes(host),), 0
 
     def plan(
-        self, block_ids: Sequence[Any], slot_ids: Sequence[int], host: torch.Tensor | None = None
+        self,
+        block_ids: Sequence[Any],
+        slot_ids: Sequence[int],
+        host: torch.Tensor | None = None,
+        *,
+        slot_order: bool = False,
     ) -> tuple[Segments, Segments, Int64Array]:
         """``(engine, host, nbytes)`` for copying engine blocks ``block_ids[i]`` <-> slots ``slot_ids[i]`` of
-        ``host`` (default: the planner's host tensor), in the layout's order (slot by slot)."""
+        ``host`` (default: the planner's host tensor), in the layout's order (slot by slot). ``slot_order``:
+        the pairs are copied sorted by (slot, block) instead of in the order given (one tick's merged batch:
+        the host side sequential)."""
         side = self._host if host is None else self.host_side(host)
         if side is None:
             raise ValueError("host must be given: this planner has no host tensor")
         host_bufs, base = side
-        addrs, host_offs, nbytes = self._layout.copy_plan(block_ids, slot_ids, base)
         starts = self._starts
+        fast = self._fast
+        if (
+            fast is not None
+            and type(block_ids) in (list, tuple)
+            and type(slot_ids) in (list, tuple)
+            and (slot_order or len(block_ids) <= 1)
+        ):
+            rel, strides, lens, offs, slot_bytes = fast
+            e, h, nb, ix, _ = _native_plan(
+                block_ids, slot_ids, rel, strides, lens, offs, slot_bytes, base, self._fast_index
+            )
+            index = None if ix is None else np.frombuffer(ix, dtype=np.int64)
+            return (
+                Segments(self._engine, np.frombuffer(e, dtype=np.int64), index),
+                Segments(host_bufs, np.frombuffer(h, dtype=np.int64)),
+                np.frombuffer(nb, dtype=np.int64),
+            )
+        else:
+            if slot_order:
+                pairs = sorted(zip(slot_ids, block_ids, strict=True))
+                block_ids, slot_ids = [p[1] for p in pairs], [p[0] for p in pairs]
+            addrs, host_offs, nbytes = self._layout.copy_plan(block_ids, slot_ids, base)
         if len(starts) == 1:
             return Segments(self._engine, addrs - starts[0]), Segments(host_bufs, host_offs), nbytes
         idx = np.searchsorted(starts, addrs, side="right") - 1
         np.maximum(idx, 0, out=idx)  # below every buffer: a negative offset, which the kernel refuses
         return Segments(self._engine, addrs - starts[idx], idx), Segments(host_bufs, host_offs), nbytes
+
+
+def _kv_copy_plan() -> Any:
+    from .._layout import KVLayout
+
+    return KVLayout.copy_plan
 
 
 def _sides(

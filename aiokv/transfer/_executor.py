@@ -145,8 +145,8 @@ class TransferExecutor:
 
     # ------------------------------------------------------------------ CPU copies
     def _copy_store(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> None:
-        """Runs on the store worker thread (CPU backend)."""
-        engine, host, nbytes = self._planner.plan(block_ids, slot_ids)
+        """Runs on the store worker thread (CPU backend). The pairs in any order: copied in slot order."""
+        engine, host, nbytes = self._planner.plan(block_ids, slot_ids, slot_order=True)
         tuner = self._gather_tuner
         best = tuner.best
         trial = tuner.trial(len(block_ids) * self._layout.slot_bytes)
@@ -179,8 +179,8 @@ class TransferExecutor:
             copy_segments(host[b:], engine[b:], nbytes[b:], best)
 
     def _copy_load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Runs on the load worker thread (CPU backend)."""
-        engine, host, nbytes = self._planner.plan(block_ids, slot_ids)
+        """Runs on the load worker thread (CPU backend). The pairs in any order: copied in slot order."""
+        engine, host, nbytes = self._planner.plan(block_ids, slot_ids, slot_order=True)
         self._copy(engine, host, nbytes, SCATTER_GROUP)
 
     def _copy(self, dst: Any, src: Any, nbytes: Any, group: int) -> None:
@@ -190,14 +190,18 @@ class TransferExecutor:
             copy_segments(dst, src, nbytes, group)
 
     @staticmethod
-    def _merged(batch: list[TransferFuture]) -> tuple[list[int], list[int]]:
-        """One copy for the whole batch, slot order (the host side sequential)."""
+    def _merged(batch: list[TransferFuture]) -> tuple[Sequence[int], Sequence[int]]:
+        """The whole batch's (block ids, slot ids), in submission order: one copy, planned in slot order (the
+        host side sequential) by the copy planner (``slot_order=True``)."""
         if len(batch) == 1:
             tf = batch[0]
-            pairs = sorted(zip(tf.slot_ids, tf.block_ids, strict=True))
-        else:
-            pairs = sorted(p for tf in batch for p in zip(tf.slot_ids, tf.block_ids, strict=True))
-        return [p[1] for p in pairs], [p[0] for p in pairs]
+            return tf.block_ids, tf.slot_ids
+        blocks: list[int] = []
+        slots: list[int] = []
+        for tf in batch:
+            blocks.extend(tf.block_ids)
+            slots.extend(tf.slot_ids)
+        return blocks, slots
 
     def _run_store(self, batch: list[TransferFuture]) -> None:
         try:

@@ -256,3 +256,59 @@ def test_an_extension_that_cannot_read_the_requests_slots_turns_the_fast_path_of
     monkeypatch.setattr(_step, "configure", refuse)
     with pytest.warns(RuntimeWarning, match=r"C fast path of Request.step\(\) is off .*_tid"):
         assert _request._load_native_step() is None
+
+
+@needs_native
+@pytest.mark.asyncio
+async def test_ints_at_every_width_are_read_exactly_and_out_of_range_ones_go_to_the_python_method() -> None:
+    """The C path reads one-digit ints inline and wider ones through CPython's conversion: the token ids at
+    the boundaries of both (and of int64) are stored exactly, and one past int64 is the Python method's error."""
+    eng = SimEngine(block_size=BS)
+    async with _offloader(eng) as off:
+        r = off.open("r", [1, 2, 3])
+        r.step(3, [4], [0])
+        edge = [2**30 - 1, 2**30, -(2**30) + 1, -(2**30), -1, 0, 2**62, 2**63 - 1, -(2**63)]
+        n = 3
+        for tok in edge:
+            n += 1
+            new = [1 + (n // BS)] if n >= len(r.block_ids) * BS else []
+            assert _python_step_calls(lambda n=n, tok=tok, new=new: r.step(n, [tok], new)) == 0, tok
+        assert list(r.token_ids) == [1, 2, 3, 4, *edge]
+        assert r.num_computed_tokens == n
+        before = list(r.token_ids)
+        with pytest.raises(aiokv.InvalidArgumentError, match="new_token_ids"):
+            r.step(n + 1, [2**63], [])
+        assert list(r.token_ids) == before
+        # Block ids are range-checked on the value read: a negative one (one digit, sign in the size), the
+        # first past the layout and a two-digit one are the Python method's BlockRangeError.
+        for bad in (-1, -(2**30), off.layout.num_blocks, 2**30, 2**62):
+            blocks = r.block_ids
+            with pytest.raises(aiokv.BlockRangeError, match="new_block_ids"):
+                r.step(n, [], [bad])
+            assert (list(r.token_ids), r.block_ids, r.num_computed_tokens) == (before, blocks, n)
+        await r.finish()
+
+
+@needs_native
+@pytest.mark.asyncio
+async def test_a_long_decode_grows_the_token_list_exactly() -> None:
+    """The C path grows a request's token list itself (by half, not CPython's eighth): thousands of steps
+    later every token is in place, in order."""
+    eng = SimEngine(num_blocks=1024, block_size=BS, num_tensors=1, width=1)
+    cap = 64 * eng.layout.slot_bytes
+    async with Offloader(eng.layout, tiers=[CPUTier(capacity_bytes=cap)]) as off:
+        r = off.open("r", [1, 2, 3], store_decode=False)
+        r.step(3, [4], [0])
+        toks = [1, 2, 3, 4]
+        blocks = 1
+        for n in range(4, 3000):
+            new = []
+            if n >= blocks * BS:
+                new = [blocks]
+                blocks += 1
+            r.step(n, [n * 7 + 1], new)
+            toks.append(n * 7 + 1)
+        assert list(r.token_ids) == toks
+        assert r.num_computed_tokens == 2999
+        assert r.block_ids == tuple(range(blocks))
+        await r.finish()

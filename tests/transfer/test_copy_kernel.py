@@ -403,3 +403,57 @@ def test_the_planner_bounds_the_engine_side_by_the_tensors_it_spans() -> None:
         copy_segments(slots, engine, nbytes)
     with pytest.raises(ValueError, match="CPU memory only"):
         tensor_bytes(torch.zeros(1, device="meta"))
+
+
+@pytest.mark.skipif(cpu_mod._native_plan is None, reason="aiokv._native._copy is not built (or AIOKV_NATIVE_COPY=0)")
+@pytest.mark.parametrize("shape", ["one-storage", "two-storages", "interleaved-views"])
+def test_the_c_plan_is_the_layouts_plan_in_slot_order(shape: str) -> None:
+    """plan(slot_order=True) in C (aiokv/_native/_copy.c plan_blocks) against KVLayout.copy_plan of the pairs
+    sorted by (slot, block): the same segments, buffers and lengths, on random batches (repeats included),
+    and a copy through it moves the same bytes."""
+    rng = np.random.default_rng(7)
+    if shape == "one-storage":
+        tensors = [torch.arange(12 * 4 * 6, dtype=torch.float32).reshape(12, 4, 6)]
+    elif shape == "two-storages":
+        tensors = [torch.rand(12, 4, 6), torch.rand(12, 4, 3).to(torch.float16)]
+    else:
+        kv = torch.rand(12, 2, 4, 6)
+        tensors = [kv[:, 0], kv[:, 1]]
+    layout = KVLayout(tensors, block_size=4)
+    host = torch.zeros(20 * layout.slot_bytes, dtype=torch.uint8)
+    planner = CopyPlanner(layout, host)
+    assert planner._fast is not None
+    for _ in range(200):
+        n = int(rng.integers(0, 30))
+        blocks = [int(b) for b in rng.integers(0, 12, n)]
+        slots = [int(s) for s in rng.integers(0, 20, n)]
+        engine, side, nbytes = planner.plan(blocks, slots, slot_order=True)
+        pairs = sorted(zip(slots, blocks, strict=True))
+        addrs, host_offs, want_n = layout.copy_plan([p[1] for p in pairs], [p[0] for p in pairs], 0)
+        starts = planner._starts
+        idx = np.searchsorted(starts, addrs, side="right") - 1
+        assert np.array_equal(nbytes, want_n)
+        assert np.array_equal(side.offsets, host_offs)
+        assert np.array_equal(engine.offsets, addrs - starts[idx])
+        if len(starts) == 1:
+            assert engine.index is None
+        else:
+            assert np.array_equal(engine.index, idx)
+    blocks, slots = [3, 11, 0, 3], [9, 2, 5, 0]
+    engine, side, nbytes = planner.plan(blocks, slots, slot_order=True)
+    copy_segments(side, engine, nbytes)
+    for b, s in zip(blocks, slots, strict=True):
+        for t, spec in zip(tensors, layout.specs, strict=True):
+            got = host[s * layout.slot_bytes + spec.slot_offset :][: t[b].numel() * t.element_size()]
+            assert torch.equal(got, t[b].contiguous().view(-1).view(torch.uint8))
+    engine, side, nbytes = planner.plan([12, 1], [0, 1], slot_order=True)  # block 12: past every tensor
+    before = host.clone()
+    with pytest.raises(ValueError, match="out of bounds of src"):
+        copy_segments(side, engine, nbytes)
+    assert torch.equal(host, before)
+    with pytest.raises(TypeError, match="block_ids and slot_ids"):
+        cpu_mod._native_plan(iter(blocks), slots, *planner._fast, 0, planner._fast_index)
+    with pytest.raises(ValueError, match="same length"):
+        cpu_mod._native_plan(blocks, slots[:1], *planner._fast, 0, planner._fast_index)
+    with pytest.raises(OverflowError):
+        cpu_mod._native_plan([2**62], [0], *planner._fast, 0, planner._fast_index)
