@@ -18,7 +18,9 @@
  * - A policy stores each resident key's parent (what the Python lists keep as the OrderedDict value).
  * - ARC's p and session's bonus are doubles updated with the Python expressions' operations in the same order.
  * Everything is allocated per run and freed at its end; errors (memory, a progress callback's exception)
- * propagate as Python exceptions.
+ * propagate as Python exceptions. run() checks its arrays are intern()'s (ids in [0, unique), offsets from 0
+ * to the number of ids, one limit per request, read-only) before the loop, which then indexes by them
+ * unchecked. The `bad` flag guards invariants of the policies themselves, not of the arguments.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,6 +30,7 @@
 
 typedef int32_t kid; /* a key's id; NONE for Python's None */
 #define NONE ((kid)-1)
+#define MAX_UNIQUE INT32_MAX /* ids are 0 .. MAX_UNIQUE - 1 (the module's MAX_UNIQUE) */
 
 /* ------------------------------------------------------------------------------------------ lists */
 
@@ -701,15 +704,30 @@ static int64_t tier_insert_chain(Tier *t, const kid *keys, int64_t start, int64_
 /* --------------------------------------------------------------------------------------- functions */
 
 PyDoc_STRVAR(intern_doc,
-             "intern(requests, /) -> (ids, offsets, limits, unique)\n\n"
+             "intern(requests, max_unique=MAX_UNIQUE, /) -> (ids, offsets, limits, unique) | None\n\n"
              "Each request's keys as dense int32 ids (first appearance order), concatenated; offsets (int64,\n"
-             "len(requests) + 1) bound each request's ids; limits (int64) are the input_tokens.");
+             "len(requests) + 1) bound each request's ids; limits (int64, len(requests)) are the input_tokens.\n"
+             "None when the requests hold more than max_unique (0 to MAX_UNIQUE) unique keys.");
 
-static PyObject *intern_(PyObject *self, PyObject *requests) {
+static PyObject *intern_(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    PyObject *seq = PySequence_Fast(requests, "requests must be a sequence");
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "intern takes 1 or 2 arguments");
+        return NULL;
+    }
+    long long max_unique = MAX_UNIQUE;
+    if (nargs == 2) {
+        max_unique = PyLong_AsLongLong(args[1]);
+        if (max_unique == -1 && PyErr_Occurred()) return NULL;
+        if (max_unique < 0 || max_unique > MAX_UNIQUE) {
+            PyErr_Format(PyExc_ValueError, "max_unique must be in [0, %d], got %lld", MAX_UNIQUE, max_unique);
+            return NULL;
+        }
+    }
+    PyObject *seq = PySequence_Fast(args[0], "requests must be a sequence");
     if (seq == NULL) return NULL;
     Py_ssize_t nreq = PySequence_Fast_GET_SIZE(seq);
+    int over = 0; /* more than max_unique unique keys: the result is None */
     PyObject *table = PyDict_New(), *ids = NULL, *offs = NULL, *limits = NULL, *result = NULL;
     PyObject *s_keys = PyUnicode_InternFromString("keys");
     PyObject *s_input = PyUnicode_InternFromString("input_tokens");
@@ -717,7 +735,7 @@ static PyObject *intern_(PyObject *self, PyObject *requests) {
     size_t idcap = 0, idlen = 0;
     if (table == NULL || s_keys == NULL || s_input == NULL) goto done;
     offs = PyBytes_FromStringAndSize(NULL, (nreq + 1) * (Py_ssize_t)sizeof(int64_t));
-    limits = PyBytes_FromStringAndSize(NULL, (nreq ? nreq : 1) * (Py_ssize_t)sizeof(int64_t));
+    limits = PyBytes_FromStringAndSize(NULL, nreq * (Py_ssize_t)sizeof(int64_t));
     if (offs == NULL || limits == NULL) goto done;
     int64_t *ov = (int64_t *)PyBytes_AS_STRING(offs), *lv = (int64_t *)PyBytes_AS_STRING(limits);
     ov[0] = 0;
@@ -765,9 +783,9 @@ static PyObject *intern_(PyObject *self, PyObject *requests) {
                     goto done;
                 }
                 v = (long)PyDict_GET_SIZE(table);
-                if (v >= INT32_MAX) {
+                if (v >= max_unique) {
                     Py_DECREF(kseq);
-                    PyErr_SetString(PyExc_OverflowError, "more than 2**31 - 1 unique keys");
+                    over = 1;
                     goto done;
                 }
                 PyObject *nid = PyLong_FromLong(v);
@@ -795,7 +813,67 @@ done:
     Py_XDECREF(s_keys);
     Py_XDECREF(s_input);
     Py_DECREF(seq);
+    if (over) Py_RETURN_NONE;
     return result;
+}
+
+/* A buffer argument of run() as read-only, C-contiguous bytes whose length is a multiple of `item`: read-only
+ * so that the progress callback cannot change what was checked. */
+static int get_array(PyObject *obj, Py_buffer *view, const char *name, Py_ssize_t item, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
+    if (!view->readonly) {
+        PyErr_Format(PyExc_ValueError, "%s must be a read-only buffer such as bytes, got %.100s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (view->len % item) {
+        PyErr_Format(PyExc_ValueError, "%s must hold %s (a multiple of %zd bytes), got %zd bytes", name, what, item,
+                     view->len);
+        return -1;
+    }
+    return 0;
+}
+
+/* run()'s arrays are intern()'s: refuse anything else before the loop, which indexes by them unchecked. */
+static int check_run_arrays(const Py_buffer *bids, const Py_buffer *boffs, const Py_buffer *blims,
+                            Py_ssize_t nuniq) {
+    const kid *ids = bids->buf;
+    const int64_t *offs = boffs->buf;
+    Py_ssize_t nids = bids->len / (Py_ssize_t)sizeof(kid), noffs = boffs->len / (Py_ssize_t)sizeof(int64_t);
+    if (noffs < 1) {
+        PyErr_SetString(PyExc_ValueError, "offsets must hold one int64 more than there are requests, got none");
+        return -1;
+    }
+    Py_ssize_t nreq = noffs - 1;
+    if (blims->len != nreq * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "limits must hold one int64 per request (%zd), got %zd bytes", nreq,
+                     blims->len);
+        return -1;
+    }
+    if (offs[0] != 0) {
+        PyErr_Format(PyExc_ValueError, "offsets must start at 0, got %lld", (long long)offs[0]);
+        return -1;
+    }
+    for (Py_ssize_t r = 0; r < nreq; r++) {
+        if (offs[r + 1] < offs[r]) {
+            PyErr_Format(PyExc_ValueError, "offsets must not decrease, got %lld after %lld at %zd",
+                         (long long)offs[r + 1], (long long)offs[r], r + 1);
+            return -1;
+        }
+    }
+    if (offs[nreq] != nids) {
+        PyErr_Format(PyExc_ValueError, "offsets must end at the number of ids (%zd), got %lld", nids,
+                     (long long)offs[nreq]);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nids; i++) {
+        if (ids[i] < 0 || ids[i] >= nuniq) {
+            PyErr_Format(PyExc_ValueError, "ids must be in [0, unique) = [0, %zd), got %ld at %zd", nuniq,
+                         (long)ids[i], i);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 PyDoc_STRVAR(run_doc,
@@ -815,21 +893,30 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t *pend = NULL;
     PyObject *result = NULL, *tseq = NULL;
     int bad = 0;
-    if (PyObject_GetBuffer(args[0], &bids, PyBUF_SIMPLE) < 0) goto done;
-    if (PyObject_GetBuffer(args[1], &boffs, PyBUF_SIMPLE) < 0) goto done;
-    if (PyObject_GetBuffer(args[2], &blims, PyBUF_SIMPLE) < 0) goto done;
+    if (get_array(args[0], &bids, "ids", (Py_ssize_t)sizeof(kid), "int32 ids") < 0) goto done;
+    if (get_array(args[1], &boffs, "offsets", (Py_ssize_t)sizeof(int64_t), "int64 offsets") < 0) goto done;
+    if (get_array(args[2], &blims, "limits", (Py_ssize_t)sizeof(int64_t), "int64 limits") < 0) goto done;
     Py_ssize_t nuniq = PyLong_AsSsize_t(args[3]);
     long long bt = PyLong_AsLongLong(args[4]);
     long long inflight = PyLong_AsLongLong(args[6]);
     if (PyErr_Occurred()) goto done;
     PyObject *progress = args[7];
+    if (nuniq < 0 || nuniq > MAX_UNIQUE) {
+        PyErr_Format(PyExc_ValueError, "unique must be in [0, %d], got %zd", MAX_UNIQUE, nuniq);
+        goto done;
+    }
+    if (bt <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_tokens must be > 0, got %lld", bt);
+        goto done;
+    }
+    if (inflight < 0) {
+        PyErr_Format(PyExc_ValueError, "inflight must be >= 0, got %lld", inflight);
+        goto done;
+    }
+    if (check_run_arrays(&bids, &boffs, &blims, nuniq) < 0) goto done;
     const kid *ids = bids.buf;
     const int64_t *offs = boffs.buf, *lims = blims.buf;
     Py_ssize_t nreq = boffs.len / (Py_ssize_t)sizeof(int64_t) - 1;
-    if (nreq < 0 || bt <= 0 || inflight < 0 || nuniq < 0) {
-        PyErr_SetString(PyExc_ValueError, "bad run arguments");
-        goto done;
-    }
     tseq = PySequence_Fast(args[5], "tiers must be a sequence");
     if (tseq == NULL) goto done;
     m = PySequence_Fast_GET_SIZE(tseq);
@@ -957,11 +1044,15 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"intern", (PyCFunction)intern_, METH_O, intern_doc},
+    {"intern", (PyCFunction)(void (*)(void))intern_, METH_FASTCALL, intern_doc},
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL, run_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_replay", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__replay(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__replay(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "MAX_UNIQUE", MAX_UNIQUE) < 0) Py_CLEAR(m);
+    return m;
+}

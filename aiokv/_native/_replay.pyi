@@ -1,7 +1,9 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
-def intern(requests: Sequence[Any], /) -> tuple[bytes, bytes, bytes, int]: ...
+MAX_UNIQUE: int  # 2**31 - 1: the most unique keys intern numbers (ids are int32)
+
+def intern(requests: Sequence[Any], max_unique: int = ..., /) -> tuple[bytes, bytes, bytes, int] | None: ...
 def run(
     ids: bytes,
     offsets: bytes,

@@ -69,6 +69,9 @@ if os.environ.get("AIOKV_NATIVE_REPLAY", "1") == "0":
 # interns once and replays every point from the same arrays.
 _INTERNED: weakref.WeakKeyDictionary[Trace, tuple[bytes, bytes, bytes, int]] = weakref.WeakKeyDictionary()
 
+_NATIVE_MAX_UNIQUE = 2**31 - 1
+"""The most unique blocks a trace replayed in C may hold (``_replay.MAX_UNIQUE``: its ids are int32)."""
+
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
@@ -374,36 +377,16 @@ def _run(
     return hit_blocks, hit_tokens, stored, staged, total_hit_tokens
 
 
+_NATIVE_POLICIES = (LRUPolicy, ARCPolicy, SessionPolicy, AdaptivePolicy)
+"""The policies the C replay implements; each gives its spec (``_native_replay_spec``, next to its code)."""
+
+
 def _native_spec(policy: EvictionPolicy) -> tuple[Any, ...] | None:
     """The spec of a fresh built-in ``policy`` for :func:`aiokv._native._replay.run`, or None (not covered:
     the Python loop runs). Exact types only: a subclass may change any method."""
-    kind = type(policy)
-    if len(policy):
+    if type(policy) not in _NATIVE_POLICIES:
         return None
-    if kind is LRUPolicy:
-        return ("lru",)
-    if kind is ARCPolicy:
-        assert isinstance(policy, ARCPolicy)
-        return ("arc", policy.capacity) if policy.p == 0.0 else None
-    if kind is SessionPolicy:
-        assert isinstance(policy, SessionPolicy)
-        if policy._retained or policy._priority or policy._next_cold is not None or policy._b1 or policy._b2:
-            return None
-        return ("session", policy.capacity, policy._ghost_cap, policy._step, policy.bonus)
-    if kind is AdaptivePolicy:
-        assert isinstance(policy, AdaptivePolicy)
-        experts = tuple(_native_spec(s) for s in policy._shadows)
-        if any(e is None or e[0] == "adaptive" for e in experts) or policy._refs or policy.switches:
-            return None
-        return (
-            "adaptive",
-            policy.capacity,
-            experts,
-            policy._decay,
-            policy._starts_needed,
-            policy._epoch_refs,
-        )
-    return None
+    return policy._native_replay_spec()
 
 
 def _run_native(
@@ -419,10 +402,7 @@ def _run_native(
         if spec is None or len(ix):
             return None
         specs.append(spec)
-    interned = _INTERNED.get(trace)
-    if interned is None:
-        interned = _INTERNED[trace] = _native_replay.intern(trace.requests)
-    ids, offsets, limits, unique = interned
+    ids, offsets, limits, unique = _interned(trace)
     counts, total_hit_tokens = _native_replay.run(
         ids,
         offsets,
@@ -435,6 +415,20 @@ def _run_native(
     )
     hit_blocks, hit_tokens, stored, staged, evicted, _rejected = (list(c) for c in zip(*counts, strict=True))
     return hit_blocks, hit_tokens, stored, staged, evicted, total_hit_tokens
+
+
+def _interned(trace: Trace) -> tuple[bytes, bytes, bytes, int]:
+    """``trace``'s keys interned for the C replay, once per trace; :class:`InvalidArgumentError` when it holds
+    more than :data:`_NATIVE_MAX_UNIQUE` unique blocks."""
+    interned = _INTERNED.get(trace)
+    if interned is None:
+        got = _native_replay.intern(trace.requests, _NATIVE_MAX_UNIQUE)
+        if got is None:
+            raise InvalidArgumentError(
+                f"trace {trace.name!r} must hold at most {_NATIVE_MAX_UNIQUE} unique blocks, got more"
+            )
+        interned = _INTERNED[trace] = got
+    return interned
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple, NoReturn
+from typing import Any, BinaryIO, NamedTuple, NoReturn, Protocol
 
 from .._errors import AiokvError, InvalidArgumentError, InvalidTypeError
 from ..rules import block_hashes, check_token_ids
@@ -391,6 +391,35 @@ def _refuse_size(got: str, detail: str) -> NoReturn:
     )
 
 
+class _ShapeParams(Protocol):
+    """A shape's validated parameters (``_Chat``, ``_Agentic``, ``_Retrieval``): what :func:`_generate` needs.
+    Each class's ``check`` takes the keywords of its public function, by name (the function passes its
+    ``locals()``), so the keyword list and defaults are written once, in the public signature."""
+
+    @property
+    def block_tokens(self) -> int: ...
+
+    def oversize(self, limit: int) -> str | None:
+        """``None`` when the trace holds at most ``limit`` block references, else how many it would hold."""
+
+    def detail(self) -> str:
+        """The parameters that size the trace, for the size refusal."""
+
+    def name(self) -> str:
+        """The trace's name."""
+
+    def requests(self) -> list[TraceRequest]: ...
+
+
+def _generate(params: _ShapeParams) -> Trace:
+    """The trace of one shape's validated ``params``, refused before generating when larger than
+    :data:`MAX_SYNTHETIC_REFS`."""
+    got = params.oversize(MAX_SYNTHETIC_REFS)
+    if got is not None:
+        _refuse_size(got, params.detail())
+    return Trace.from_requests(params.name(), params.block_tokens, params.requests())
+
+
 def _check_finite_time(t: float, rate_name: str, rate: float, think_name: str, think: float) -> None:
     if not math.isfinite(t):
         raise InvalidArgumentError(
@@ -460,6 +489,16 @@ class _Chat:
         per_request = 1 + self.system_blocks + self.turns * (self.user[1] + self.answer[1])
         return self.sessions * self.turns * per_request + self.system_prompts * (1 + self.system_blocks)
 
+    def oversize(self, limit: int) -> str | None:
+        worst = self.worst_refs()
+        return f"up to {worst}" if worst > limit else None
+
+    def detail(self) -> str:
+        return f"sessions={self.sessions}, turns={self.turns}, system_blocks={self.system_blocks}"
+
+    def name(self) -> str:
+        return f"synthetic(sessions={self.sessions},turns={self.turns},seed={self.seed})"
+
     def requests(self) -> list[TraceRequest]:
         rng = random.Random(self.seed)
         keys = _Keys(b"syn")
@@ -504,26 +543,7 @@ def chat_trace(
     Every argument is validated before anything is generated; the worst case may not exceed
     :data:`MAX_SYNTHETIC_REFS` block references.
     """
-    p = _Chat.check(
-        sessions=sessions,
-        turns=turns,
-        system_prompts=system_prompts,
-        system_blocks=system_blocks,
-        user_blocks=user_blocks,
-        answer_blocks=answer_blocks,
-        sessions_per_s=sessions_per_s,
-        think_s=think_s,
-        block_tokens=block_tokens,
-        seed=seed,
-    )
-    worst = p.worst_refs()
-    if worst > MAX_SYNTHETIC_REFS:
-        _refuse_size(
-            f"up to {worst}", f"sessions={p.sessions}, turns={p.turns}, system_blocks={p.system_blocks}"
-        )
-    return Trace.from_requests(
-        f"synthetic(sessions={p.sessions},turns={p.turns},seed={p.seed})", p.block_tokens, p.requests()
-    )
+    return _generate(_Chat.check(**locals()))  # (first statement: locals() holds the keywords only)
 
 
 # --------------------------------------------------------------------------------------------- agentic
@@ -624,6 +644,9 @@ class _Agentic:
                 return None
         return total
 
+    def oversize(self, limit: int) -> str | None:
+        return "more than that" if self.count_refs(limit) is None else None
+
     def requests(self) -> list[TraceRequest]:
         keys = _Keys(b"ag")
         prompts = [keys.fresh(self.system_blocks) for _ in range(self.system_prompts)]
@@ -641,9 +664,12 @@ class _Agentic:
 
     def detail(self) -> str:
         return (
-            f"sessions={self.sessions}, turns={self.turns}, system_blocks={self.system_blocks}, "
+            f"shape=agentic, sessions={self.sessions}, turns={self.turns}, system_blocks={self.system_blocks}, "
             f"context_blocks={self.context_blocks}"
         )
+
+    def name(self) -> str:
+        return f"synthetic(shape=agentic,sessions={self.sessions},seed={self.seed})"
 
 
 def agentic_trace(
@@ -676,22 +702,7 @@ def agentic_trace(
     Every argument is validated before anything is generated. The size is counted exactly before any key is
     made and may not exceed :data:`MAX_SYNTHETIC_REFS` block references.
     """
-    p = _Agentic.check(
-        sessions=sessions,
-        turns=turns,
-        system_prompts=system_prompts,
-        system_blocks=system_blocks,
-        context_blocks=context_blocks,
-        sessions_per_s=sessions_per_s,
-        think_s=think_s,
-        block_tokens=block_tokens,
-        seed=seed,
-    )
-    if p.count_refs(MAX_SYNTHETIC_REFS) is None:
-        _refuse_size("more than that", f"shape=agentic, {p.detail()}")
-    return Trace.from_requests(
-        f"synthetic(shape=agentic,sessions={p.sessions},seed={p.seed})", p.block_tokens, p.requests()
-    )
+    return _generate(_Agentic.check(**locals()))  # (first statement: locals() holds the keywords only)
 
 
 # ------------------------------------------------------------------------------------------- retrieval
@@ -741,6 +752,10 @@ class _Retrieval:
         per_question = 2 * longest + _RETRIEVAL_QUESTION_BLOCKS[1] * 2 + _RETRIEVAL_FOLLOW_UP_BLOCKS
         return self.questions * per_question + self.system_blocks + self.docs * (1 + self.doc_blocks[1])
 
+    def oversize(self, limit: int) -> str | None:
+        worst = self.worst_refs()
+        return f"up to {worst}" if worst > limit else None
+
     def requests(self) -> list[TraceRequest]:
         rng = random.Random(self.seed)
         keys = _Keys(b"rt")
@@ -774,9 +789,12 @@ class _Retrieval:
 
     def detail(self) -> str:
         return (
-            f"questions={self.questions}, docs={self.docs}, doc_blocks={self.doc_blocks}, "
+            f"shape=retrieval, questions={self.questions}, docs={self.docs}, doc_blocks={self.doc_blocks}, "
             f"system_blocks={self.system_blocks}"
         )
+
+    def name(self) -> str:
+        return f"synthetic(shape=retrieval,questions={self.questions},docs={self.docs},seed={self.seed})"
 
 
 def retrieval_trace(
@@ -802,24 +820,7 @@ def retrieval_trace(
     Every argument is validated before anything is generated; the worst case may not exceed
     :data:`MAX_SYNTHETIC_REFS` block references.
     """
-    p = _Retrieval.check(
-        questions=questions,
-        docs=docs,
-        doc_blocks=doc_blocks,
-        system_blocks=system_blocks,
-        questions_per_s=questions_per_s,
-        follow_up=follow_up,
-        block_tokens=block_tokens,
-        seed=seed,
-    )
-    worst = p.worst_refs()
-    if worst > MAX_SYNTHETIC_REFS:
-        _refuse_size(f"up to {worst}", f"shape=retrieval, {p.detail()}")
-    return Trace.from_requests(
-        f"synthetic(shape=retrieval,questions={p.questions},docs={p.docs},seed={p.seed})",
-        p.block_tokens,
-        p.requests(),
-    )
+    return _generate(_Retrieval.check(**locals()))  # (first statement: locals() holds the keywords only)
 
 
 # ------------------------------------------------------------------------------------------------- mix

@@ -87,6 +87,14 @@ class EvictionPolicy(ABC):
     def __len__(self) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def _native_replay_spec(self) -> tuple[Any, ...] | None:
+        # This policy as a spec of aiokv._native._replay.run (aiokv/_native/_replay.c: pol_new reads it) while
+        # it is fresh, so the C replay starting from its initial state is this policy; None when the C
+        # replay cannot stand for it (not fresh, or a policy it does not implement). The built-ins
+        # LRU, ARC, session and adaptive override it; aiokv.replay._sim asks exact types only (a subclass
+        # may change any method).
+        return None
+
 
 _ABSENT = object()
 
@@ -201,6 +209,9 @@ class LRUPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._list)
+
+    def _native_replay_spec(self) -> tuple[Any, ...] | None:
+        return None if len(self._list) else ("lru",)
 
 
 class ARCPolicy(EvictionPolicy):
@@ -357,6 +368,12 @@ class ARCPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
+
+    def _native_replay_spec(self) -> tuple[Any, ...] | None:
+        # ("arc", capacity): the C policy starts with p = 0 and empty lists
+        if len(self._t1) or len(self._t2) or self._b1 or self._b2 or self.p != 0.0:
+            return None
+        return ("arc", self.capacity)
 
 
 class _Node:
@@ -790,6 +807,20 @@ class SessionPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._stamp)
 
+    def _native_replay_spec(self) -> tuple[Any, ...] | None:
+        # ("session", capacity, ghost capacity, step, bonus): the C policy starts with empty lists, no
+        # hint, no retention or priorities, and this bonus
+        if (
+            self._stamp
+            or self._retained
+            or self._priority
+            or self._next_cold is not None
+            or self._b1
+            or self._b2
+        ):
+            return None
+        return ("session", self.capacity, self._ghost_cap, self._step, self.bonus)
+
 
 _EXPERTS: dict[str, Callable[[int], EvictionPolicy]] = {
     "arc": ARCPolicy,
@@ -987,6 +1018,26 @@ class AdaptivePolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._real)
+
+    def _native_replay_spec(self) -> tuple[Any, ...] | None:
+        # ("adaptive", capacity, (expert specs...), decay, starts, epoch_refs): the C policy starts with
+        # fresh experts (lru, arc or session; not adaptive), zero scores and the first expert leading
+        if (
+            self._real
+            or self._refs
+            or self.switches
+            or self._starts
+            or self._leader
+            or self._last is not None
+            or any(self._score)
+            or any(self._epoch_hits)
+            or any(self._out)
+        ):
+            return None
+        experts = tuple(s._native_replay_spec() for s in self._shadows)
+        if any(e is None or e[0] == "adaptive" for e in experts):
+            return None
+        return ("adaptive", self.capacity, experts, self._decay, self._starts_needed, self._epoch_refs)
 
 
 def _holds(policy: EvictionPolicy) -> Callable[[bytes], bool]:

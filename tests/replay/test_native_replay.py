@@ -180,9 +180,9 @@ def test_native_path_is_taken_and_interns_once(monkeypatch: pytest.MonkeyPatch) 
     calls: list[int] = []
     real = _sim._native_replay.intern
 
-    def counting(requests: Any) -> Any:
+    def counting(requests: Any, *limit: int) -> Any:
         calls.append(len(requests))
-        return real(requests)
+        return real(requests, *limit)
 
     monkeypatch.setattr(_sim._native_replay, "intern", counting, raising=False)
     # (a C module's attribute can be replaced; _run_native looks it up on each call)
@@ -221,15 +221,19 @@ def test_other_policies_take_the_python_loop() -> None:
 
 def test_progress_counts_every_reference_and_its_error_propagates() -> None:
     trace = synthetic_trace(sessions=1200, turns=6, seed=5, block_tokens=BT)
+
+    def run(policy: str, progress: _sim.ProgressFn) -> None:
+        replay(
+            trace,
+            [TierConfig("cpu", 50 * BT * KV)],
+            policy=policy,
+            kv_bytes_per_token=KV,
+            cost=COST,
+            progress=progress,
+        )
+
     seen: list[int] = []
-    replay(
-        trace,
-        [TierConfig("cpu", 50 * BT * KV)],
-        policy="adaptive",
-        kv_bytes_per_token=KV,
-        cost=COST,
-        progress=seen.append,
-    )
+    run("adaptive", seen.append)
     assert sum(seen) == trace.block_refs
     assert len(seen) > 1
 
@@ -237,14 +241,7 @@ def test_progress_counts_every_reference_and_its_error_propagates() -> None:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        replay(
-            trace,
-            [TierConfig("cpu", 50 * BT * KV)],
-            policy="session",
-            kv_bytes_per_token=KV,
-            cost=COST,
-            progress=boom,
-        )
+        run("session", boom)
 
 
 def test_intern_ids_follow_first_appearance() -> None:
