@@ -558,8 +558,18 @@ static PyObject *plan_blocks(PyObject *Py_UNUSED(self), PyObject *const *args, P
     }
     int sorted = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long b = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(blocks, i));
-        long long sl = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(slots, i));
+        /* An int-like's __index__ is Python code: the lists are re-measured and their items held. */
+        if (i >= PySequence_Fast_GET_SIZE(blocks) || i >= PySequence_Fast_GET_SIZE(slots)) {
+            PyErr_SetString(PyExc_RuntimeError, "plan_blocks: block_ids or slot_ids changed size");
+            goto fail_pairs;
+        }
+        PyObject *bo = PySequence_Fast_GET_ITEM(blocks, i), *so = PySequence_Fast_GET_ITEM(slots, i);
+        Py_INCREF(bo);
+        Py_INCREF(so);
+        long long b = PyLong_AsLongLong(bo);
+        long long sl = b == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(so);
+        Py_DECREF(bo);
+        Py_DECREF(so);
         if ((b == -1 || sl == -1) && PyErr_Occurred()) goto fail_pairs;
         pairs[i].slot = sl;
         pairs[i].block = b;

@@ -345,14 +345,22 @@ static PyObject *first_not_pending(PyObject *Py_UNUSED(m), PyObject *const *args
         PyErr_SetString(PyExc_TypeError, "first_not_pending(): keys list/tuple, slots dict, state bytearray");
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), size = PyByteArray_GET_SIZE(state);
-    unsigned char *st = (unsigned char *)PyByteArray_AS_STRING(state);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
     /* Pass 1: the slot of each key (a small stack array, else the heap), the first not pending. */
     Py_ssize_t local[256], *at = n <= 256 ? local : PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
     if (at == NULL) return PyErr_NoMemory();
     Py_ssize_t found = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *slot_obj = PyDict_GetItemWithError(slots, PySequence_Fast_GET_ITEM(keys, i));
+        /* A key's hash or comparison may be Python code (keys are bytes in aiokv, but this is callable with
+         * anything): the list and the state are re-read after every lookup, and the key held during it. */
+        if (i >= PySequence_Fast_GET_SIZE(keys)) {
+            PyErr_SetString(PyExc_RuntimeError, "first_not_pending(): keys changed size");
+            goto fail;
+        }
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+        Py_INCREF(key);
+        PyObject *slot_obj = PyDict_GetItemWithError(slots, key);
+        Py_DECREF(key);
         if (slot_obj == NULL) {
             if (PyErr_Occurred()) goto fail;
             found = i;
@@ -360,16 +368,23 @@ static PyObject *first_not_pending(PyObject *Py_UNUSED(m), PyObject *const *args
         }
         Py_ssize_t slot = PyLong_AsSsize_t(slot_obj);
         if (slot == -1 && PyErr_Occurred()) goto fail;
-        if (slot < 0 || slot >= size || st[slot] != PENDING) {
+        if (slot < 0 || slot >= PyByteArray_GET_SIZE(state) ||
+            (unsigned char)PyByteArray_AS_STRING(state)[slot] != PENDING) {
             found = i;
             break;
         }
         at[i] = slot;
     }
     if (found < 0) {
-        /* Pass 2: every key is pending; the first repeat. No Python code runs between marking and restoring. */
-        Py_ssize_t marked = 0;
+        /* Pass 2: every key is pending; the first repeat. No Python code runs from here to the restore; a
+         * slot a later lookup's Python code moved out of the state (or off PENDING) counts as not pending. */
+        unsigned char *st = (unsigned char *)PyByteArray_AS_STRING(state);
+        Py_ssize_t size = PyByteArray_GET_SIZE(state), marked = 0;
         for (; marked < n; marked++) {
+            if (at[marked] >= size || (st[at[marked]] != PENDING && st[at[marked]] != SCAN_MARK)) {
+                found = marked;
+                break;
+            }
             if (st[at[marked]] == SCAN_MARK) {
                 found = marked;
                 break;

@@ -31,7 +31,10 @@ def make_index(n_pending: int, n_ready: int) -> tuple[BlockIndex, list[bytes], l
     return index, pending, ready
 
 
-@pytest.mark.skipif(index_mod._native_first_not_pending is None, reason="aiokv._native._lru is not built (or AIOKV_NATIVE_LRU=0)")
+@pytest.mark.skipif(
+    index_mod._native_first_not_pending is None,
+    reason="aiokv._native._lru is not built (or AIOKV_NATIVE_LRU=0)",
+)
 @settings(max_examples=300, deadline=None)
 @given(
     st.integers(0, 40),
@@ -66,7 +69,10 @@ def test_without_the_extension_the_python_definition_answers(monkeypatch: pytest
     assert index.first_not_pending_or_repeated([pending[2], b"absent"]) == b"absent"
 
 
-@pytest.mark.skipif(index_mod._native_first_not_pending is None, reason="aiokv._native._lru is not built (or AIOKV_NATIVE_LRU=0)")
+@pytest.mark.skipif(
+    index_mod._native_first_not_pending is None,
+    reason="aiokv._native._lru is not built (or AIOKV_NATIVE_LRU=0)",
+)
 def test_a_copy_of_more_keys_than_the_scans_stack_buffer() -> None:
     index, pending, _ = make_index(600, 0)
     states = bytes(index._state)
@@ -74,3 +80,32 @@ def test_a_copy_of_more_keys_than_the_scans_stack_buffer() -> None:
     assert index.first_not_pending_or_repeated([*pending, pending[299]]) == pending[299]
     assert index.first_not_pending_or_repeated([*pending[:400], b"absent", pending[0]]) == b"absent"
     assert bytes(index._state) == states
+
+
+@pytest.mark.skipif(
+    index_mod._native_first_not_pending is None,
+    reason="aiokv._native._lru is not built (or AIOKV_NATIVE_LRU=0)",
+)
+def test_keys_whose_hash_changes_the_list_or_the_index_are_refused_not_read_out_of_bounds() -> None:
+    """The scan may run Python code (a key's hash): a list shrunk under it is a RuntimeError, an index whose
+    state shrank under it names the moved key as not pending; nothing is read past either."""
+    index, pending, _ = make_index(4, 0)
+    keys: list[bytes] = []
+
+    class Shrinks(bytes):
+        def __hash__(self) -> int:
+            del keys[1:]
+            return bytes.__hash__(self)
+
+    keys.extend([pending[0], Shrinks(pending[1]), pending[2], pending[3]])
+    with pytest.raises(RuntimeError, match="keys changed size"):
+        index.first_not_pending_or_repeated(keys)
+
+    class Truncates(bytes):
+        def __hash__(self) -> int:
+            del index._state[1:]
+            return bytes.__hash__(self)
+
+    index, pending, _ = make_index(4, 0)
+    keys = [pending[3], Truncates(pending[0])]
+    assert index.first_not_pending_or_repeated(keys) == pending[3]

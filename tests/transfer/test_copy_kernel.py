@@ -405,7 +405,9 @@ def test_the_planner_bounds_the_engine_side_by_the_tensors_it_spans() -> None:
         tensor_bytes(torch.zeros(1, device="meta"))
 
 
-@pytest.mark.skipif(cpu_mod._native_plan is None, reason="aiokv._native._copy is not built (or AIOKV_NATIVE_COPY=0)")
+@pytest.mark.skipif(
+    cpu_mod._native_plan is None, reason="aiokv._native._copy is not built (or AIOKV_NATIVE_COPY=0)"
+)
 @pytest.mark.parametrize("shape", ["one-storage", "two-storages", "interleaved-views"])
 def test_the_c_plan_is_the_layouts_plan_in_slot_order(shape: str) -> None:
     """plan(slot_order=True) in C (aiokv/_native/_copy.c plan_blocks) against KVLayout.copy_plan of the pairs
@@ -457,3 +459,25 @@ def test_the_c_plan_is_the_layouts_plan_in_slot_order(shape: str) -> None:
         cpu_mod._native_plan(blocks, slots[:1], *planner._fast, 0, planner._fast_index)
     with pytest.raises(OverflowError):
         cpu_mod._native_plan([2**62], [0], *planner._fast, 0, planner._fast_index)
+
+
+@pytest.mark.skipif(
+    cpu_mod._native_plan is None, reason="aiokv._native._copy is not built (or AIOKV_NATIVE_COPY=0)"
+)
+def test_a_block_id_whose_index_shrinks_the_batch_is_refused() -> None:
+    """plan_blocks converts int-likes through ``__index__`` (Python code): a batch shrunk meanwhile is a
+    RuntimeError, never a read past the list."""
+    layout = KVLayout([torch.zeros(4, 4, 2)], block_size=4)
+    planner = CopyPlanner(layout, torch.zeros(4 * layout.slot_bytes, dtype=torch.uint8))
+    assert planner._fast is not None
+    blocks: list[Any] = []
+
+    class Shrinks:
+        def __index__(self) -> int:
+            del blocks[1:]
+            return 0
+
+    blocks.extend([Shrinks(), 1, 2])
+    with pytest.raises(RuntimeError, match="changed size"):
+        planner.plan(blocks, [0, 1, 2], slot_order=True)
+    assert planner.plan([np.int64(3)], [1], slot_order=True)[0].offsets.tolist() == [3 * 4 * 2 * 4]
