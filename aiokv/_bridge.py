@@ -35,10 +35,10 @@ from ._errors import ClosedError, InvalidArgumentError, InvalidTypeError
 
 if TYPE_CHECKING:
     from ._offloader import Offloader
-    from ._request import Request
+    from ._request import LoadCompletion, Request
     from ._stats import OffloaderStats
 
-__all__ = ["ThreadBridge", "ThreadRequest", "call_in_loop"]
+__all__ = ["ThreadBridge", "ThreadLoad", "ThreadRequest", "call_in_loop"]
 
 T = TypeVar("T")
 
@@ -201,11 +201,23 @@ class ThreadRequest:
         """Resolves to the cached prefix length in tokens (see :meth:`Request.lookup`)."""
         return self._call(self._req.lookup)
 
-    def load(self, block_ids: Sequence[int], *, present_blocks: int = 0) -> concurrent.futures.Future[int]:
+    def load(
+        self, block_ids: Sequence[int], *, present_blocks: int = 0, layerwise: bool = False
+    ) -> ThreadLoad:
         """Resolves once the cached prefix is in ``block_ids``, to the tokens restored (see
-        :meth:`Request.load`, also for ``present_blocks``)."""
+        :meth:`Request.load`, also for ``present_blocks`` and ``layerwise``). The returned future's
+        :meth:`ThreadLoad.layer` resolves per layer (a layer-wise load: as each layer's copy completes)."""
         ids = _copy_ids(block_ids)
-        return self._call(lambda: self._req.load(ids, present_blocks=present_blocks))
+        out = ThreadLoad(self._bridge._loop)
+
+        def op() -> Any:
+            completion = self._req.load(ids, present_blocks=present_blocks, layerwise=layerwise)
+            out._completion = completion
+            return completion
+
+        relay = self._call(op)
+        relay.add_done_callback(out._settle)
+        return out
 
     def step(
         self, num_computed_tokens: int, new_token_ids: Sequence[int] = (), new_block_ids: Sequence[int] = ()
@@ -235,6 +247,35 @@ class ThreadRequest:
 
     def __repr__(self) -> str:
         return f"<ThreadRequest {self._req!r}>"
+
+
+class ThreadLoad(concurrent.futures.Future[int]):
+    """What :meth:`ThreadRequest.load` returns: a :class:`concurrent.futures.Future` of the whole load's
+    result (the tokens restored, 0 on a miss), and :meth:`layer` for each layer of it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._loop = loop
+        self._completion: LoadCompletion | None = None  # set on the loop, before anything below runs there
+
+    def _settle(self, relay: concurrent.futures.Future[int]) -> None:
+        exc = relay.exception()
+        if exc is not None:
+            self.set_exception(exc)
+        else:
+            self.set_result(relay.result())
+
+    def layer(self, index: int) -> concurrent.futures.Future[int]:
+        """Resolves once layer ``index`` (of :attr:`KVLayout.layers`) of the restored blocks is in place, to
+        the tokens the load restores (0 if it failed): :meth:`LoadCompletion.layer`, from this thread. Calls
+        reach the loop in order, so the load has been submitted there before this runs."""
+
+        def op() -> Any:
+            if self._completion is None:  # load() itself was refused: its future holds the error
+                raise InvalidArgumentError("layer() of a load that was refused: see the load's own future")
+            return self._completion.layer(index)
+
+        return call_in_loop(self._loop, op)
 
 
 def _copy_ids(block_ids: Any) -> Any:

@@ -398,6 +398,7 @@ class GroupedLayout(KVLayout):
         # The first base unit's key is the chained hash itself when it is the same on every rank.
         self._identity_first = bool(parts[0].cls == _BASE and (parts[0].replicated or tp_size == 1))
         self._seg_cache = None
+        self._layers = ()  # layer-wise loads are for plain layouts (see KVLayout.layers)
         self._plans: list[tuple[Int64Array, ...]] = [self._unit_plan(u) for u in range(len(unit_parts))]
 
     # --------------------------------------------------------------- description

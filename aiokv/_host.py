@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ._layout import KVLayout
     from ._stats import Counters
     from .transfer._executor import TransferExecutor
-    from .transfer._future import TransferFuture
+    from .transfer._future import LayeredTransfer, TransferFuture
 
 __all__ = ["RequestHost"]
 
@@ -87,7 +87,7 @@ class RequestHost:
     store_blocks: Callable[..., TransferFuture | None]
     store_units: Callable[..., TransferFuture | None]
     store_one: Callable[..., TransferFuture | None]
-    load_blocks: Callable[..., TransferFuture]
+    load_blocks: Callable[..., TransferFuture | LayeredTransfer]
     # ------------------------------------------------------------------ outcomes (counted and logged)
     store_not_submitted: Callable[[str, BaseException], None]
     load_not_submitted: Callable[[str, int, BaseException], None]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -40,21 +40,31 @@ class TensorSpec:
 
 
 def _flatten_tensors(tensors: object) -> list[torch.Tensor]:
+    return _flatten_layers(tensors)[0]
+
+
+def _flatten_layers(tensors: object) -> tuple[list[torch.Tensor], list[int]]:
+    """The tensors, flattened, and how many of them each top-level item holds: one *layer* per item (a
+    tensor, or a layer's ``(k, v)`` pair; a dict's values in order, vLLM's ``{layer_name: kv_cache}``)."""
     if isinstance(tensors, torch.Tensor):
-        return [tensors]
+        return [tensors], [1]
     if isinstance(tensors, dict):
         tensors = list(tensors.values())
     if not isinstance(tensors, Iterable):
         raise InvalidTypeError(f"tensors must be a tensor or a list of tensors, got {type(tensors).__name__}")
     out: list[torch.Tensor] = []
+    sizes: list[int] = []
     for item in tensors:
         if isinstance(item, torch.Tensor):
             out.append(item)
+            sizes.append(1)
         elif isinstance(item, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in item):
             out.extend(item)  # one (k, v) pair per layer
+            if item:
+                sizes.append(len(item))
         else:
             raise InvalidTypeError(f"tensors must contain torch.Tensor objects, got {type(item).__name__}")
-    return out
+    return out, sizes
 
 
 def _check_params(block_size: object, block_dim: object, token_dim: object, model_id: object) -> int | None:
@@ -246,7 +256,7 @@ class KVLayout:
 
     def __init__(
         self,
-        tensors: Sequence[torch.Tensor] | torch.Tensor,
+        tensors: Sequence[torch.Tensor | Sequence[torch.Tensor]] | Mapping[str, torch.Tensor] | torch.Tensor,
         block_size: int = 16,
         block_dim: int = 0,
         *,
@@ -254,7 +264,7 @@ class KVLayout:
         model_id: str | None = None,
     ) -> None:
         token_dim = _check_params(block_size, block_dim, token_dim, model_id)
-        flat = _flatten_tensors(tensors)
+        flat, layer_sizes = _flatten_layers(tensors)
         device = _check_devices(flat)
         num_blocks, specs = _tensor_specs(flat, block_dim)
         _check_no_aliasing(flat)
@@ -272,6 +282,12 @@ class KVLayout:
         self.fingerprint = _fingerprint(flat, block_size, block_dim, model_id)
         self.root = make_root(self.fingerprint, model_id)
         self._seg_cache: tuple[Int64Array, Int64Array, Int64Array] | None = None
+        layers: list[range] = []
+        first = 0
+        for n in layer_sizes:
+            layers.append(range(first, first + n))
+            first += n
+        self._layers: tuple[range, ...] = tuple(layers)
 
     @classmethod
     def from_groups(
@@ -311,6 +327,32 @@ class KVLayout:
     def is_grouped(self) -> bool:
         """Whether this layout is made of several KV-cache groups (block ids are then given per group)."""
         return False
+
+    @property
+    def layers(self) -> tuple[range, ...]:
+        """The layers, in the order the engine's forward computes them: for each, the indices of its tensors
+        in :attr:`tensors`. One layer per item of the ``tensors`` the layout was built from (a tensor, or a
+        layer's ``(k, v)`` pair; a dict's values in order). Layer-wise loads (``Request.load(...,
+        layerwise=True)``) copy and complete one layer at a time, in this order."""
+        return self._layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def layer_span(self, layer: int) -> tuple[int, int]:
+        """Bytes ``[lo, hi)`` of a slot that hold layer ``layer`` (a layer's tensors are adjacent in a slot)."""
+        r = self._layers[layer]
+        lo = self.specs[r.start].slot_offset
+        last = self.specs[r.stop - 1]
+        return lo, last.slot_offset + last.outer * last.inner_bytes
+
+    def layer_segments(self, layer: int) -> tuple[int, int]:
+        """Segments ``[a, b)`` of a block's copy plan (:meth:`copy_plan`'s per-block order) that are layer
+        ``layer``'s."""
+        r = self._layers[layer]
+        a = sum(spec.outer for spec in self.specs[: r.start])
+        return a, a + sum(spec.outer for spec in self.specs[r.start : r.stop])
 
     @property
     def is_cuda(self) -> bool:

@@ -42,7 +42,7 @@ from .tiers._cpu import CPUTier
 from .tiers._policies import EvictionPolicy
 from .transfer._binding import DeviceBinding
 from .transfer._executor import DEFAULT_STAGING_BYTES, TransferExecutor
-from .transfer._future import TransferFuture
+from .transfer._future import LayeredTransfer, TransferFuture
 
 if TYPE_CHECKING:
     from .events._emit import TierEvents
@@ -1106,14 +1106,22 @@ class Offloader:
             self._log_copy.event("store of %d blocks failed, dropped: %s", len(keys), tf.exception())
 
     def _load_blocks(
-        self, keys: list[bytes], slots: list[int], block_ids: list[int], mark: Any = None
-    ) -> TransferFuture:
-        tf = self.executor._submit("load", block_ids, slots, mark)
+        self,
+        keys: list[bytes],
+        slots: list[int],
+        block_ids: list[int],
+        mark: Any = None,
+        layerwise: bool = False,
+    ) -> TransferFuture | LayeredTransfer:
+        if layerwise:
+            tf: TransferFuture | LayeredTransfer = self.executor._submit_layers(block_ids, slots, mark)
+        else:
+            tf = self.executor._submit("load", block_ids, slots, mark)
         tf.context = (keys, self._cost_clock())
         tf.add_done_callback(self._load_done_cb)
         return tf
 
-    def _load_done(self, tf: TransferFuture) -> None:
+    def _load_done(self, tf: TransferFuture | LayeredTransfer) -> None:
         keys: list[bytes]
         keys, submitted = tf.context
         self._store.complete_load(keys)

@@ -38,7 +38,7 @@ from ._hashing import (
     check_token_ids,
     partial_block_hash,
 )
-from .transfer._future import TransferFuture, resolve
+from .transfer._future import LayeredTransfer, TransferFuture, resolve
 
 if TYPE_CHECKING:
     from ._host import RequestHost
@@ -174,32 +174,95 @@ class LoadCompletion(_Completion):
     preempted); the engine should then discard what it computed (preempt the request).
     """
 
-    __slots__ = ("_off", "_ticket", "_tokens")
+    __slots__ = ("_layerwise", "_off", "_ticket", "_tokens")
 
     def __init__(
         self,
         fut: asyncio.Future[Any],
-        ticket: asyncio.Future[TransferFuture | None],
+        ticket: asyncio.Future[TransferFuture | LayeredTransfer | None],
         tokens: int,
         off: RequestHost,
+        layerwise: bool = False,
     ) -> None:
         super().__init__(fut)
         self._ticket = ticket
         self._tokens = tokens
         self._off = off
+        self._layerwise = layerwise
 
-    async def wait_submitted(self) -> int:
+    async def wait_submitted(self, layer: int | None = None) -> int:
         """Resolve once the load's copy is on its stream; return the tokens it restores when it completes (0
         when nothing was submitted, or the copy already failed).
 
+        ``layer``: only that layer's copy (a layer-wise load: it is queued before the later layers', so an
+        engine can order layer ``i``'s attention after it, with :meth:`order_layer_before`, while the rest is
+        still being submitted). On a load that is not layer-wise it waits for the whole copy.
+
         Cancelling this wait does not withdraw the load."""
+        if layer is not None:
+            self._check_layer(layer)
         tf = await asyncio.shield(self._ticket)
         if tf is None:
             return 0
-        await tf.wait_submitted()
-        if tf.done() and tf.exception() is not None:
+        part = tf.layers[layer] if layer is not None and isinstance(tf, LayeredTransfer) else tf
+        await part.wait_submitted()
+        if part.done() and part.exception() is not None:
             return 0
         return self._tokens
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether the load was submitted layer by layer (``load(..., layerwise=True)``)."""
+        return self._layerwise
+
+    async def layer(self, index: int) -> int:
+        """Resolve once layer ``index`` (of :attr:`KVLayout.layers`, the order of the engine's forward) of
+        the restored blocks is in the engine blocks, on the host: to the tokens the load restores, or 0 when
+        the load failed or restored nothing (then recompute; the whole load resolves to 0 as well).
+
+        A layer-wise load (``layerwise=True``) resolves layer ``i`` as soon as its own copy is done, while
+        the later layers are still being copied; any other load resolves every layer when the whole copy is
+        done. Cancelling this wait does not withdraw the load."""
+        self._check_layer(index)
+        tf = await asyncio.shield(self._ticket)
+        if tf is None:
+            return int(await asyncio.shield(self._fut))
+        part = tf.layers[index] if isinstance(tf, LayeredTransfer) else tf
+        with contextlib.suppress(TransferError):
+            await part
+        if part.exception() is not None:
+            return 0
+        return self._tokens
+
+    def order_layer_before(self, index: int, stream: Any = None) -> None:
+        """Make work enqueued on ``stream`` (default: the offloader's compute stream) from now on wait, on
+        the device, for layer ``index`` of this load: call it right before enqueuing that layer's attention.
+        Device backends only, once that layer is submitted (``await wait_submitted(layer=index)``, or
+        ``wait_submitted()`` for every layer); before that it raises :class:`RequestStateError` (a wait on
+        work not yet queued would order nothing). On a load that is not layer-wise it waits for the whole
+        copy (as :meth:`order_before`)."""
+        self._check_layer(index)
+        tf = self._submitted_transfer("order_layer_before")
+        if tf is None:
+            return
+        part = tf.layers[index] if isinstance(tf, LayeredTransfer) else tf
+        part.order_before(stream if stream is not None else self._off.executor.compute_stream)
+
+    def _check_layer(self, index: int) -> None:
+        n = self._off.layout.num_layers
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise InvalidTypeError(f"index must be an int, got {type(index).__name__}")
+        if not 0 <= index < n:
+            raise InvalidArgumentError(f"index must be in [0, {n}) (the layout's layers), got {index}")
+
+    def _submitted_transfer(self, what: str) -> TransferFuture | LayeredTransfer | None:
+        if self._off.executor.device is None:
+            raise InvalidArgumentError(
+                f"{what}() needs a device backend (cuda or simulated); on the cpu backend await the load"
+            )
+        if not self._ticket.done():
+            raise RequestStateError(f"{what}() needs the load submitted first: await wait_submitted()")
+        return self._ticket.result()
 
     def order_before(self, stream: Any = None) -> None:
         """Make work enqueued on ``stream`` (default: the offloader's compute stream, else the calling
@@ -217,7 +280,10 @@ class LoadCompletion(_Completion):
         tf.order_before(stream if stream is not None else self._off.executor.compute_stream)
 
 
-def _settle_ticket(ticket: asyncio.Future[TransferFuture | None] | None, tf: TransferFuture | None) -> None:
+def _settle_ticket(
+    ticket: asyncio.Future[TransferFuture | LayeredTransfer | None] | None,
+    tf: TransferFuture | LayeredTransfer | None,
+) -> None:
     if ticket is not None and not ticket.done():
         ticket.set_result(tf)
 
@@ -324,7 +390,7 @@ class Request:
         self._hashes: list[bytes] = []
         self._events: deque[tuple[_Ev, Any, asyncio.Future[Any] | None]] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._in_flight: set[TransferFuture] = set()
+        self._in_flight: set[TransferFuture | LayeredTransfer] = set()
         self._pinned: list[bytes] = []  # CPU entries pinned by the last lookup
         self._pinned_slots: list[int] = []
         self._pinned_plan: list[tuple[int, int]] = []  # grouped: (block, unit) of each pinned entry
@@ -340,7 +406,7 @@ class Request:
         # A lookup's result is usable only in the generation it was asked in; stores are stamped with theirs.
         self._epoch = 0
         self._failed_epoch = -1  # a generation whose KV derives from a failed load: none of it is stored
-        self._load_ticket: asyncio.Future[TransferFuture | None] | None = None
+        self._load_ticket: asyncio.Future[TransferFuture | LayeredTransfer | None] | None = None
         self._quiet = False  # the task has ended and every copy it submitted is complete
         self._quiet_waiters: list[asyncio.Future[None]] = []
 
@@ -372,7 +438,9 @@ class Request:
         self._hit_blocks = None  # load() waits for this lookup's result
         return self._post(_Ev.LOOKUP, self._epoch)
 
-    def load(self, block_ids: Sequence[int], *, present_blocks: int = 0) -> LoadCompletion:
+    def load(
+        self, block_ids: Sequence[int], *, present_blocks: int = 0, layerwise: bool = False
+    ) -> LoadCompletion:
         """Copy the cached prefix found by :meth:`lookup` into ``block_ids``, which become the request's first
         blocks. Resolves, when the KV is in the engine blocks, to the number of tokens restored: the lookup's
         count when ``len(block_ids)`` covers every block it found (with ``store_partial_last_block`` that
@@ -386,6 +454,13 @@ class Request:
         the present blocks too; when the copy fails it is 0 all the same (the engine recomputes from the first
         copied block, or from 0).
 
+        ``layerwise``: copy layer by layer (the layout's :attr:`~aiokv.KVLayout.layers`, in order), each
+        layer completing on its own, so the engine's forward can compute layer ``i`` while the later layers are
+        still being copied: ``await pending.layer(i)`` on the host, or ``pending.order_layer_before(i)`` on a
+        device, before layer ``i``'s attention. The whole load resolves as usual; a layer that fails fails the
+        whole load (it resolves to 0: recompute, never partial KV). Plain layouts only (not
+        :meth:`KVLayout.from_groups`).
+
         Raises only for misuse (bad ``block_ids``, wrong state, a closed offloader). Cancelling the awaiting
         task before the copy is submitted withdraws the load (nothing is copied and the pins are released).
         Once submitted a copy cannot be recalled: the blocks stay guarded until it completes, so the engine
@@ -398,6 +473,12 @@ class Request:
             )
         if self._hit_blocks is None:
             raise RequestStateError("load() needs a completed lookup() first")
+        if not isinstance(layerwise, bool):
+            raise InvalidTypeError(f"layerwise must be a bool, got {type(layerwise).__name__}")
+        if layerwise and self._grouped:
+            raise InvalidArgumentError(
+                "layerwise=True needs a plain KVLayout: a layout from KVLayout.from_groups is loaded whole"
+            )
         ids = self._off.layout.check_block_ids(block_ids, "block_ids")
         if (
             self._grouped
@@ -438,11 +519,13 @@ class Request:
             self._stored_upto = len(ids)
         self._state = RequestState.LOADING if ids else self._state
         fut: asyncio.Future[Any] = self._off.loop.create_future()
-        ticket: asyncio.Future[TransferFuture | None] = self._off.loop.create_future()
+        ticket: asyncio.Future[TransferFuture | LayeredTransfer | None] = self._off.loop.create_future()
         self._load_ticket = ticket
         restored = self.num_computed_tokens
-        self._post_nowait(_Ev.LOAD, (ids, mark, ticket, restored, self._epoch, present_blocks), fut)
-        return LoadCompletion(fut, ticket, restored, self._off)
+        self._post_nowait(
+            _Ev.LOAD, (ids, mark, ticket, restored, self._epoch, present_blocks, layerwise), fut
+        )
+        return LoadCompletion(fut, ticket, restored, self._off, layerwise)
 
     def step(
         self,
@@ -565,7 +648,7 @@ class Request:
         else:
             left = [len(pending)]
 
-            def one_done(_tf: TransferFuture) -> None:
+            def one_done(_tf: Any) -> None:
                 left[0] -= 1
                 if left[0] == 0:
                     resolve(fut, None)
@@ -764,8 +847,14 @@ class Request:
         """A step computing past the restored tokens of a load in flight: only once the engine can have
         ordered its forward after the copy (device: submitted; cpu: never before the load resolved)."""
         ticket = self._load_ticket
-        if self._off.device is not None and ticket is not None and ticket.done():
-            return
+        if ticket is not None and ticket.done():
+            if self._off.device is not None:
+                return
+            # CPU: the copy is done (every layer of a layer-wise load awaited) and succeeded, although the
+            # request's task has not resumed to say so yet.
+            tf = None if ticket.cancelled() or ticket.exception() is not None else ticket.result()
+            if tf is not None and tf.done() and tf.exception() is None:
+                return
         raise RequestStateError(
             f"num_computed_tokens must be <= {self.num_computed_tokens} (the tokens restored by the load in "
             f"flight) until the load resolved, got {n}: await the load (on a device, await its "
@@ -945,7 +1034,7 @@ class Request:
             return
         remaining = len(pending)
 
-        def one_done(_tf: TransferFuture) -> None:
+        def one_done(_tf: Any) -> None:
             nonlocal remaining
             remaining -= 1
             if remaining == 0:
@@ -1029,7 +1118,7 @@ class Request:
         except Exception as exc:
             self._off.store_not_submitted(self.request_id, exc)
 
-    def _track(self, tf: TransferFuture) -> None:
+    def _track(self, tf: TransferFuture | LayeredTransfer) -> None:
         in_flight = self._in_flight
         if len(in_flight) >= 16:  # prune completed copies now and then (no per-copy callback needed)
             self._in_flight = in_flight = {t for t in in_flight if not t.done()}
@@ -1111,6 +1200,7 @@ class Request:
         restored: int = payload[3]
         epoch: int = payload[4]
         present: int = payload[5] if len(payload) > 5 else 0
+        layerwise: bool = payload[6] if len(payload) > 6 else False
         n = len(block_ids)
         off = self._off
         if n == 0:
@@ -1144,7 +1234,7 @@ class Request:
                 return restored
         # The loaded entries stay pinned until the copy reading their slots completes (done callback).
         try:
-            tf = off.load_blocks(keys, slots, block_ids, mark)
+            tf = off.load_blocks(keys, slots, block_ids, mark, layerwise)
         except ClosedError as exc:  # the offloader is closed under the request: the engine must hear of it
             off.unpin(keys)
             self._load_failed(epoch, restored)

@@ -63,7 +63,9 @@ class PagedKVCache:
         group of K/V tensors, or for a model with sliding-window, latent or state layers one
         :class:`aiokv.KVGroup` per kind (``checkpoint_blocks``: see :meth:`aiokv.KVLayout.from_groups`)."""
         if not self.grouped:
-            return KVLayout(list(self.tensors), block_size=self.block_size, block_dim=0, model_id=model_id)
+            # One (k, v) pair per model layer: the layout's layers are the model's (layer-wise loads).
+            pairs = [(self.tensors[i], self.tensors[i + 1]) for i in range(0, len(self.tensors), 2)]
+            return KVLayout(pairs, block_size=self.block_size, block_dim=0, model_id=model_id)
         return KVLayout.from_groups(
             [
                 KVGroup(

@@ -198,6 +198,7 @@ class _Seq:
     cached_tokens: int | None = None  # restored at the first admission (None until admitted)
     restored_tokens: int = 0
     computed_prefill: int = 0
+    layer_load: LoadCompletion | None = None  # a layer-wise load its next forward waits for, layer by layer
     preemptions: int = 0
     last_logits: torch.Tensor | None = None
     finish_reason: str | None = None
@@ -258,7 +259,12 @@ class Engine:
         max_num_batched_tokens: int = 512,
         torch_threads: int | None = 1,
         on_blocks: Callable[[BlockEvent], None] | None = None,
+        layerwise_loads: bool = False,
     ) -> None:
+        if not isinstance(layerwise_loads, bool):
+            raise InvalidArgumentError(
+                f"layerwise_loads must be a bool, got {type(layerwise_loads).__name__}"
+            )
         if cache.config != model.config:
             raise InvalidArgumentError("cache must be built for the model's config")
         if cache.device != model.device:
@@ -291,6 +297,15 @@ class Engine:
         # A grouped layout (sliding-window, latent or state layers) takes block ids per group: the engine's one
         # block table serves every group (each group's tensors are indexed by the same block ids).
         self._group_count = len(getattr(offloader.layout, "groups", ())) if offloader is not None else 0
+        if layerwise_loads and (offloader is None or self._group_count):
+            raise InvalidArgumentError(
+                "layerwise_loads needs an offloader on a plain (ungrouped) layout: a model with sliding-window,"
+                " latent or state layers loads whole"
+            )
+        # Restores copied layer by layer: on a device the first forward over a restored prefix runs each
+        # layer right after that layer's copy (Transformer.forward_layers); on the CPU the engine still
+        # awaits the whole load before the forward (its forward runs in one worker-thread call).
+        self.layerwise_loads = layerwise_loads
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._on_blocks = on_blocks
@@ -721,13 +736,37 @@ class Engine:
         loop = asyncio.get_running_loop()
         stream = self.offloader.executor.compute_stream
         out: list[torch.Tensor] = []
+        waits = [seq.layer_load for seq, _ in plan if seq.layer_load is not None]
+        for seq, _ in plan:
+            seq.layer_load = None  # from this forward on, the stream is ordered after every layer's copy
 
         def forward() -> None:
             with torch.inference_mode():
                 out.append(self.model.forward(chunks, self.cache.tensors))
 
+        def forward_layer_by_layer() -> None:
+            # The forward as one kernel per stage, each ordered after its layer's copy of every restore in
+            # the batch: layer i computes while the copies of the later layers are still running.
+            stages = self.model.forward_layers(chunks, self.cache.tensors)
+
+            def advance() -> None:
+                with torch.inference_mode():
+                    try:
+                        next(stages)
+                    except StopIteration as end:
+                        out.append(end.value)
+
+            device.launch(stream, advance)  # up to layer 0
+            for i in range(self.model.config.num_layers):
+                for pending in waits:
+                    pending.order_layer_before(i, stream)
+                device.launch(stream, advance)  # layer i, up to layer i + 1 (the last: the logits)
+
         t0 = time.perf_counter()
-        await loop.run_in_executor(self._executor, device.launch, stream, forward)
+        if waits:
+            await loop.run_in_executor(self._executor, forward_layer_by_layer)
+        else:
+            await loop.run_in_executor(self._executor, device.launch, stream, forward)
         done = device.new_event(blocking=True)
         device.record(done, stream)
         for seq, n in plan:
@@ -819,12 +858,20 @@ class Engine:
                 if n_hit:
                     blocks = seq.blocks[:n_hit]
                     t0 = time.perf_counter()
-                    pending = seq.handle.load(self._aiokv_ids(blocks))
+                    ids = self._aiokv_ids(blocks)
+                    # (Only a layer-wise engine passes the keyword: stand-ins for Request keep working.)
+                    pending = (
+                        seq.handle.load(ids, layerwise=True) if self.layerwise_loads else seq.handle.load(ids)
+                    )
                     seq.reported = n_hit  # the blocks are in aiokv's table whatever the copy does
                     if self._device is not None:
-                        # No host round trip: the forwards of this request wait for the copy on the device.
+                        # No host round trip: the forwards of this request wait for the copy on the device
+                        # (layer-wise: its next forward waits for each layer right before computing it).
                         hit = await pending.wait_submitted()
-                        pending.order_before()
+                        if self.layerwise_loads:
+                            seq.layer_load = pending
+                        else:
+                            pending.order_before()
                         self._spawn(
                             self._loaded_on_device(seq, pending, hit, blocks, t0),
                             f"aiokv-engine-loaded-{seq.request_id}",
@@ -913,6 +960,7 @@ class Engine:
         seq.preemptions += 1
         self._counts["preemptions"] += 1
         seq.phase = Phase.WAITING
+        seq.layer_load = None
         bisect.insort(self._waiting, seq, key=lambda s: s.order)
         self._release(seq, "preempt")
         seq.num_computed = 0

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -640,6 +640,24 @@ class Transformer:
         head_dim, head_dim)`` tensor of states. Each chunk's keys/values are written into it through its block
         table(s). With ``all_logits`` the result is every position's logits, concatenated in chunk order.
         """
+        stages = self.forward_layers(chunks, kv_caches, all_logits=all_logits)
+        while True:
+            try:
+                next(stages)
+            except StopIteration as done:
+                return cast(torch.Tensor, done.value)
+
+    def forward_layers(
+        self,
+        chunks: Sequence[SeqChunk],
+        kv_caches: Sequence[torch.Tensor],
+        *,
+        all_logits: bool = False,
+    ) -> Generator[int, None, torch.Tensor]:
+        """:meth:`forward` in stages: a generator that yields ``i`` right before layer ``i`` touches its cache
+        tensors and returns the logits (``StopIteration.value``). An engine restoring a prefix layer by layer
+        advances it one stage at a time, ordering stage ``i`` after layer ``i``'s copy (on a device: enqueue
+        each advance as a kernel, after ``LoadCompletion.order_layer_before(i)``)."""
         c = self.config
         if not chunks:
             raise InvalidArgumentError("chunks must not be empty")
@@ -683,6 +701,7 @@ class Transformer:
         x = F.pad(self.embed[token_ids], (0, 0, 0, n_padded - n_tokens))
         rope = self._rope_table(F.pad(positions, (0, n_padded - n_tokens)))
         for i, layer in enumerate(self.layers):
+            yield i  # layer i reads and writes its cache from here on
             g = self._layer_group[i]
             slot_idx, plans, window = group_slots[g], group_plans[g], self._groups[g].window
             first = self._first_tensor[i]

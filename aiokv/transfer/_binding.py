@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._errors import InvalidArgumentError
+
 if TYPE_CHECKING:
     import torch
 
@@ -38,8 +40,11 @@ class BlockCopier(ABC):
         """Enqueue ``rows[i] <- engine block index[i]`` for every i (``index`` lives in device memory)."""
 
     @abstractmethod
-    def scatter(self, stream: Any, index: torch.Tensor, rows: torch.Tensor) -> None:
-        """Enqueue ``engine block index[i] <- rows[i]`` for every i."""
+    def scatter(
+        self, stream: Any, index: torch.Tensor, rows: torch.Tensor, *, layer: int | None = None
+    ) -> None:
+        """Enqueue ``engine block index[i] <- rows[i]`` for every i; with ``layer``, only that layer's tensors
+        (:attr:`KVLayout.layers`), read from their bytes of the rows."""
 
 
 class DeviceBinding(ABC):
@@ -127,6 +132,15 @@ class DeviceBinding(ABC):
     def copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Enqueue a copy between two contiguous tensors of equal size (host <-> device or device <-> device).
         The host side must be pinned."""
+
+    def copy_rows(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Enqueue a copy between two 2-d views of equal shape whose rows are contiguous but not adjacent (a
+        layer's bytes of consecutive slots). This default enqueues one :meth:`copy` per row; a binding with a
+        strided copy (``cudaMemcpy2DAsync``) can do it in one."""
+        if dst.dim() != 2 or src.dim() != 2 or dst.shape != src.shape:
+            raise InvalidArgumentError("copy_rows needs two 2-d tensors of the same shape")
+        for i in range(int(dst.shape[0])):
+            self.copy(stream, dst[i], src[i])
 
     @abstractmethod
     def block_copier(self, layout: KVLayout) -> BlockCopier:

@@ -135,6 +135,7 @@ class CopyPlanner:
         # holding the GIL, and numpy's dozen small-array calls per plan cost the event loop ~50 us a tick.
         self._fast: tuple[Int64Array, Int64Array, Int64Array, Int64Array, int] | None = None
         self._fast_index: Int64Array | None = None
+        self._layer_fast: dict[int, Any] = {}  # layer -> the fast plan's per-segment arrays, that layer's
         if _native_plan is not None and type(layout).copy_plan is _kv_copy_plan():
             bases, lens, offs = (np.asarray(a, dtype=np.int64) for a in layout._segments())
             strides = np.asarray(layout.block_strides(), dtype=np.int64)
@@ -166,14 +167,18 @@ class CopyPlanner:
         host: torch.Tensor | None = None,
         *,
         slot_order: bool = False,
+        layer: int | None = None,
     ) -> tuple[Segments, Segments, Int64Array]:
         """``(engine, host, nbytes)`` for copying engine blocks ``block_ids[i]`` <-> slots ``slot_ids[i]`` of
         ``host`` (default: the planner's host tensor), in the layout's order (slot by slot). ``slot_order``:
         the pairs are copied sorted by (slot, block) instead of in the order given (one tick's merged batch:
-        the host side sequential)."""
+        the host side sequential). ``layer``: only that layer's segments (:meth:`KVLayout.layer_segments`)
+        of each block, at their places in the slot."""
         side = self._host if host is None else self.host_side(host)
         if side is None:
             raise ValueError("host must be given: this planner has no host tensor")
+        if layer is not None:
+            return self._plan_layer(block_ids, slot_ids, side, slot_order, layer)
         host_bufs, base = side
         starts = self._starts
         fast = self._fast
@@ -202,6 +207,66 @@ class CopyPlanner:
             return Segments(self._engine, addrs - starts[0]), Segments(host_bufs, host_offs), nbytes
         idx = np.searchsorted(starts, addrs, side="right") - 1
         np.maximum(idx, 0, out=idx)  # below every buffer: a negative offset, which the kernel refuses
+        return Segments(self._engine, addrs - starts[idx], idx), Segments(host_bufs, host_offs), nbytes
+
+    def _plan_layer(
+        self,
+        block_ids: Sequence[Any],
+        slot_ids: Sequence[int],
+        side: tuple[tuple[Any, ...], int],
+        slot_order: bool,
+        layer: int,
+    ) -> tuple[Segments, Segments, Int64Array]:
+        """:meth:`plan` restricted to one layer's segments of every block."""
+        host_bufs, base = side
+        fast = self._layer_fast.get(layer) if self._fast is not None else None
+        if fast is None and self._fast is not None:
+            a, b = self._layout.layer_segments(layer)
+            rel, strides, lens, offs, slot_bytes = self._fast
+            fast = self._layer_fast[layer] = (
+                (rel[a:b].copy(), strides[a:b].copy(), lens[a:b].copy(), offs[a:b].copy(), slot_bytes),
+                None if self._fast_index is None else self._fast_index[a:b].copy(),
+            )
+        if fast is not None and type(block_ids) in (list, tuple) and type(slot_ids) in (list, tuple):
+            (rel, strides, lens, offs, slot_bytes), seg_index = fast
+            if not slot_order:  # the C planner always sorts; the order given is kept by sorting nothing
+                pairs = list(zip(slot_ids, block_ids, strict=True))
+                if any(pairs[i] > pairs[i + 1] for i in range(len(pairs) - 1)):
+                    return self._plan_layer_py(block_ids, slot_ids, side, False, layer)
+            e, h, nb, ix, _ = _native_plan(
+                block_ids, slot_ids, rel, strides, lens, offs, slot_bytes, base, seg_index
+            )
+            index = None if ix is None else np.frombuffer(ix, dtype=np.int64)
+            return (
+                Segments(self._engine, np.frombuffer(e, dtype=np.int64), index),
+                Segments(host_bufs, np.frombuffer(h, dtype=np.int64)),
+                np.frombuffer(nb, dtype=np.int64),
+            )
+        return self._plan_layer_py(block_ids, slot_ids, side, slot_order, layer)
+
+    def _plan_layer_py(
+        self,
+        block_ids: Sequence[Any],
+        slot_ids: Sequence[int],
+        side: tuple[tuple[Any, ...], int],
+        slot_order: bool,
+        layer: int,
+    ) -> tuple[Segments, Segments, Int64Array]:
+        host_bufs, base = side
+        if slot_order:
+            pairs = sorted(zip(slot_ids, block_ids, strict=True))
+            block_ids, slot_ids = [p[1] for p in pairs], [p[0] for p in pairs]
+        a, b = self._layout.layer_segments(layer)
+        addrs, host_offs, nbytes = self._layout.copy_plan(block_ids, slot_ids, base)
+        per = len(nbytes) // max(1, len(block_ids))
+        addrs = np.ascontiguousarray(addrs.reshape(-1, per)[:, a:b]).ravel()
+        host_offs = np.ascontiguousarray(host_offs.reshape(-1, per)[:, a:b]).ravel()
+        nbytes = np.ascontiguousarray(nbytes.reshape(-1, per)[:, a:b]).ravel()
+        starts = self._starts
+        if len(starts) == 1:
+            return Segments(self._engine, addrs - starts[0]), Segments(host_bufs, host_offs), nbytes
+        idx = np.searchsorted(starts, addrs, side="right") - 1
+        np.maximum(idx, 0, out=idx)
         return Segments(self._engine, addrs - starts[idx], idx), Segments(host_bufs, host_offs), nbytes
 
 
@@ -433,7 +498,8 @@ class CPUStream:
 
     ``submit(jobs)`` enqueues a batch (a list of TransferFutures). The worker takes whatever batches are
     queued, merged into one, runs ``run(batch)`` (an exception becomes every job's ``_error``) and hands the
-    finished batch to ``complete`` on the loop with a single ``call_soon_threadsafe``.
+    finished batch to ``complete`` on the loop with a single ``call_soon_threadsafe``. With ``split`` the
+    merged batch is cut into parts (in order), each run and completed on its own: a layer-wise load's layers.
     """
 
     def __init__(
@@ -442,8 +508,11 @@ class CPUStream:
         name: str,
         run: Callable[[list[Any]], None],
         complete: Callable[[list[Any]], None],
+        *,
+        split: Callable[[list[Any]], list[list[Any]]] | None = None,
     ) -> None:
         self._loop = loop
+        self._split = split
         self._run_batch = run
         self._complete = complete
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -475,12 +544,13 @@ class CPUStream:
                     break
             if not batch:
                 continue
-            try:
-                run(batch)
-            except BaseException as exc:
-                for job in batch:
-                    job._error = exc
-            call_soon_threadsafe_guarded(self._loop, self._complete, batch)
+            for part in [batch] if self._split is None else self._split(batch):
+                try:
+                    run(part)
+                except BaseException as exc:
+                    for job in part:
+                        job._error = exc
+                call_soon_threadsafe_guarded(self._loop, self._complete, part)
 
     def close(self) -> None:
         """Stop after the queued jobs; joins the worker thread (bounded)."""

@@ -182,6 +182,7 @@ class _CudaCopier(BlockCopier):
         every = (*widths, *offsets, *inner, *addrs, *strides, *last, layout.slot_bytes)
         unit, dtype = next((u, d) for u, d in _UNITS if all(x % u == 0 for x in every))
         self._unit_dtype = dtype
+        self._layers = layout.layers
         self._views: list[tuple[torch.Tensor, int, int, tuple[int, ...]]] = []
         for t, spec, width in zip(layout.tensors, layout.specs, widths, strict=True):
             u = t.view(torch.uint8).view(dtype).movedim(layout.block_dim, 0)
@@ -196,8 +197,11 @@ class _CudaCopier(BlockCopier):
             for u, off, width, rest in self._views:
                 torch.index_select(u, 0, index, out=r[:, off : off + width].unflatten(1, rest))  # type: ignore[no-untyped-call]
 
-    def scatter(self, stream: Any, index: torch.Tensor, rows: torch.Tensor) -> None:
+    def scatter(
+        self, stream: Any, index: torch.Tensor, rows: torch.Tensor, *, layer: int | None = None
+    ) -> None:
         r = self._rows(rows)
+        views = self._views if layer is None else [self._views[i] for i in self._layers[layer]]
         with torch.cuda.stream(stream):
-            for u, off, width, rest in self._views:
+            for u, off, width, rest in views:
                 u.index_copy_(0, index, r[:, off : off + width].unflatten(1, rest))  # type: ignore[no-untyped-call]

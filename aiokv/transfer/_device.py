@@ -17,6 +17,11 @@ Ordering:
   buffer are therefore reused without any host synchronization. Only the pinned host index buffers are
   written by the host; each has an event, and the submitter waits for it before writing the buffer again.
 
+Layer-wise loads: a batch holding them is cut into parts, one per run of copies of the same layer (whole
+blocks are one part), each enqueued after the previous one and followed by its own completion event, which
+the waiter delivers on its own: layer *i*'s event can be waited on by the compute stream while layer *i + 1*
+is still being copied. A layer's part copies that layer's bytes of each slot and scatters only its tensors.
+
 Bounds: a batch of any size is cut into chunks of at most ``rows`` blocks (runs of consecutive slots are one
 host copy each, slots sorted); device memory is allocated once, at start, and never grows.
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,14 +44,26 @@ import torch
 
 from .._errors import DeviceError, InvalidArgumentError
 from ._binding import DeviceBinding
-from ._future import TransferFuture, call_soon_threadsafe_guarded
+from ._future import TransferFuture, call_soon_threadsafe_guarded, split_layers
 
 if TYPE_CHECKING:
     from .._layout import KVLayout
 
 __all__ = ["DeviceBackend", "DeviceStats", "Mark"]
 
-_RING = 4  # pinned host index buffers per direction
+_RING_MIN, _RING_MAX = 4, 64  # pinned host index buffers per direction
+_RING_BYTES = 1 << 20  # ... holding at most about this much (each is `rows` int64s)
+_WINDOW = 1 << 16  # blocks of a layer-wise batch whose index is uploaded once for all its layers
+_ANNOUNCE_S = 200e-6  # a layer-wise submission tells the loop what is queued at least this often
+
+
+def _ring_size(rows: int) -> int:
+    """How many chunks the submitter may run ahead of the device: each chunk's block index is written into
+    its own pinned buffer, reused only once the device has read it. Many small chunks (a layer-wise load is
+    one chunk per layer at least) need a deep ring, or submission waits for the copies it is queueing."""
+    return max(_RING_MIN, min(_RING_MAX, _RING_BYTES // (8 * rows)))
+
+
 _STOP = object()
 
 
@@ -104,11 +122,27 @@ class _Pipe:
         self.stream = b.new_stream(name)
         self._staging = b.alloc(rows * slot_bytes).view(rows, slot_bytes)
         self._index = b.alloc_index(rows)
-        self._host_index = [b.alloc_pinned_index(rows) for _ in range(_RING)]
+        ring = _ring_size(rows)
+        self._host_index = [b.alloc_pinned_index(rows) for _ in range(ring)]
         self._host_index_np = [t.numpy() for t in self._host_index]
-        self._ring_events: list[Any] = [None] * _RING
+        self._ring_events: list[Any] = [None] * ring
         self._ring_pos = 0
+        # Jobs whose copies are queued but whose submission the loop has not heard of yet: delivered in one
+        # call, at the end of a submission or before the submitter blocks (one loop wakeup, not one per part).
+        self._unannounced: list[TransferFuture] = []
         self.device_bytes = rows * slot_bytes + rows * 8
+        # Layer-wise loads copy the same blocks once per layer: their whole block index is uploaded once per
+        # run of layers (into this window), not once per layer and chunk.
+        self._window = 0
+        if not store:
+            # At most an eighth of the staging rows' bytes (and 64 Ki blocks): the bound stays staging_bytes.
+            self._window = max(rows, min(_WINDOW, rows * slot_bytes // 64))
+            self._win_index = b.alloc_index(self._window)
+            self._win_host = b.alloc_pinned_index(self._window)
+            self._win_np = self._win_host.numpy()
+            self._win_event: Any = None
+            self._win_pairs: list[tuple[int, int]] | None = None  # what the window holds now
+            self.device_bytes += self._window * 8
         self.batches = 0
         self.chunks = 0
         self.host_copies = 0
@@ -147,17 +181,47 @@ class _Pipe:
                 return
 
     def _submit(self, jobs: list[TransferFuture]) -> None:
-        b = self._binding
-        error: BaseException | None = None
+        marks_error: BaseException | None = None
         try:
             self._order_after_marks(jobs)
-            pairs = sorted(
-                (s, blk) for job in jobs for s, blk in zip(job.slot_ids, job.block_ids, strict=True)
-            )
-            for start in range(0, len(pairs), self._rows):
-                self._chunk(pairs[start : start + self._rows])
-        except BaseException as exc:
-            error = exc
+        except BaseException as exc:  # nothing of this batch may run unordered: every part fails
+            marks_error = exc
+        # Whole-block copies are one part; a layer-wise load is one part per layer, in layer order, each with
+        # its own completion event, so the engine's compute stream can wait for one layer at a time.
+        try:
+            parts = split_layers(jobs)
+            last = time.perf_counter()
+            for k, part in enumerate(parts):
+                self._submit_part(part, marks_error)
+                # The first layer at once (an engine orders its first layer after it); the rest in one call,
+                # unless submitting takes long enough for a wakeup per part not to matter.
+                if (k == 0 and len(parts) > 1) or time.perf_counter() - last >= _ANNOUNCE_S:
+                    self._announce()
+                    last = time.perf_counter()
+        finally:
+            self._announce()
+
+    def _announce(self) -> None:
+        jobs, self._unannounced = self._unannounced, []
+        if jobs:
+            call_soon_threadsafe_guarded(self._backend.loop, _set_submitted, jobs)
+
+    def _submit_part(self, jobs: list[TransferFuture], error: BaseException | None) -> None:
+        b = self._binding
+        if error is None:
+            try:
+                pairs = sorted(
+                    (s, blk) for job in jobs for s, blk in zip(job.slot_ids, job.block_ids, strict=True)
+                )
+                layer = jobs[0].layer
+                window = layer is not None and len(pairs) <= self._window
+                if window:
+                    self._load_window(pairs)
+                for start in range(0, len(pairs), self._rows):
+                    chunk = pairs[start : start + self._rows]
+                    self._chunk(chunk, layer, self._win_index[start : start + len(chunk)] if window else None)
+            except BaseException as exc:
+                error = exc
         done: Any = None
         try:
             done = b.new_event(blocking=True)
@@ -169,7 +233,7 @@ class _Pipe:
         for job in jobs:
             job.event = done
         if done is not None:
-            call_soon_threadsafe_guarded(self._backend.loop, _set_submitted, jobs)
+            self._unannounced.extend(jobs)
         self._waits.put((done, jobs, error))
 
     def _order_after_marks(self, jobs: list[TransferFuture]) -> None:
@@ -184,14 +248,38 @@ class _Pipe:
         for m in newest.values():
             self._binding.wait_event(self.stream, m.event)
 
-    def _chunk(self, pairs: list[tuple[int, int]]) -> None:
+    def _load_window(self, pairs: list[tuple[int, int]]) -> None:
+        """Make the window hold ``pairs``' block ids (already there for the next layer of the same blocks)."""
+        if pairs == self._win_pairs:
+            return
+        b = self._binding
+        ev = self._win_event
+        if ev is not None:
+            if self._unannounced and not b.query(ev):
+                self._announce()
+            b.synchronize(ev)  # the device has read the window's previous contents
+        else:
+            ev = self._win_event = b.new_event(blocking=True)
+        n = len(pairs)
+        self._win_pairs = None  # until the upload below is queued
+        self._win_np[:n] = [p[1] for p in pairs]
+        b.copy(self.stream, self._win_index[:n], self._win_host[:n])
+        b.record(ev, self.stream)
+        self._win_pairs = pairs
+
+    def _chunk(self, pairs: list[tuple[int, int]], layer: int | None = None, index: Any = None) -> None:
         b = self._binding
         n = len(pairs)
         slots = [p[0] for p in pairs]
+        if index is not None:  # a layer-wise chunk: its block index is in the window already
+            self._copy_layer(pairs, slots, layer, index)
+            return
         pos = self._ring_pos
-        self._ring_pos = (pos + 1) % _RING
+        self._ring_pos = (pos + 1) % len(self._host_index)
         ev = self._ring_events[pos]
         if ev is not None:
+            if self._unannounced and not b.query(ev):
+                self._announce()  # about to wait for the device: let the loop order work after what is queued
             b.synchronize(ev)  # the device has read this buffer's previous contents
         else:
             ev = self._ring_events[pos] = b.new_event(blocking=True)
@@ -201,6 +289,9 @@ class _Pipe:
         b.record(ev, self.stream)
         rows = self._staging[:n]
         host = self._backend.host2d
+        if layer is not None:
+            self._copy_layer(pairs, slots, layer, index)
+            return
         runs = _runs(slots)
         if self._store:
             self._backend.copier.gather(self.stream, index, rows)
@@ -213,33 +304,74 @@ class _Pipe:
         self.chunks += 1
         self.host_copies += len(runs)
 
+    def _copy_layer(
+        self, pairs: list[tuple[int, int]], slots: list[int], layer: int | None, index: Any
+    ) -> None:
+        """One layer of each block: that layer's bytes of each run of consecutive slots (one strided copy per
+        run: a layer of consecutive slots is not contiguous in the host buffer), then that layer's tensors
+        scattered from the staging rows."""
+        if self._store or layer is None:
+            raise InvalidArgumentError("layer-wise copies are loads of one layer")
+        b = self._binding
+        rows = self._staging[: len(pairs)]
+        host = self._backend.host2d
+        lo, hi = self._backend.layout.layer_span(layer)
+        runs = _runs(slots)
+        for i, s, k in runs:
+            b.copy_rows(self.stream, rows[i : i + k, lo:hi], host[s : s + k, lo:hi])
+        self._backend.copier.scatter(self.stream, index, rows, layer=layer)
+        self.chunks += 1
+        self.host_copies += len(runs)
+
     # ------------------------------------------------------------------ waiter thread
     def _wait_loop(self) -> None:
         b = self._binding
         b.enter_thread()
         complete = self._backend.complete
         loop = self._backend.loop
+        get, get_nowait = self._waits.get, self._waits.get_nowait
+        item = get()
         while True:
-            item = self._waits.get()
             if item is _STOP:
                 return
-            done, jobs, error = item
-            try:
-                if done is not None:
-                    b.synchronize(done)
-                else:  # nothing marks the end of what was queued: wait for the whole stream
-                    b.synchronize_stream(self.stream)
-            except BaseException as exc:
-                error = error or exc
-            if error is not None:
-                for job in jobs:
-                    job._error = error
-            call_soon_threadsafe_guarded(loop, complete, jobs)
+            # This part's completion, and those of the parts queued after it that have already completed by
+            # then (the later layers of a fast copy): delivered to the loop in one call.
+            finished: list[TransferFuture] = []
+            while True:
+                done, jobs, error = item
+                try:
+                    if done is not None:
+                        b.synchronize(done)
+                    else:  # nothing marks the end of what was queued: wait for the whole stream
+                        b.synchronize_stream(self.stream)
+                except BaseException as exc:
+                    error = error or exc
+                if error is not None:
+                    for job in jobs:
+                        job._error = error
+                finished.extend(jobs)
+                try:
+                    item = get_nowait()
+                except queue.Empty:
+                    item = None
+                    break
+                if item is _STOP or item[0] is None or not _query(b, item[0]):
+                    break
+            call_soon_threadsafe_guarded(loop, complete, finished)
+            if item is None:
+                item = get()
 
     def close(self) -> None:
         self._queue.put(_STOP)
         self._submitter.join(timeout=30)
         self._waiter.join(timeout=30)
+
+
+def _query(b: DeviceBinding, event: Any) -> bool:
+    try:
+        return bool(b.query(event))
+    except BaseException:
+        return False  # the blocking synchronize reports it
 
 
 def _set_submitted(jobs: list[TransferFuture]) -> None:
@@ -274,6 +406,7 @@ class DeviceBackend:
                 " asynchronous copy synchronous on the calling thread"
             )
         self.binding = binding
+        self.layout = layout
         self.loop = loop
         self.complete = complete
         self.slot_bytes = slot_bytes

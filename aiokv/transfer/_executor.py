@@ -19,7 +19,7 @@ from .._layout import KVLayout
 from ._binding import DeviceBinding
 from ._cpu import SCATTER_GROUP, CopyPlanner, CopyPool, CPUStream, GroupTuner, copy_segments
 from ._device import DeviceBackend, DeviceStats, Mark
-from ._future import TransferFuture
+from ._future import LayeredTransfer, TransferFuture, split_layers
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ExecutorStats", "TransferExecutor"]
 
@@ -122,7 +122,7 @@ class TransferExecutor:
             self._gather_tuner = GroupTuner()
             self._streams = (
                 CPUStream(loop, "store", self._run_store, self._complete_batch),
-                CPUStream(loop, "load", self._run_load, self._complete_batch),
+                CPUStream(loop, "load", self._run_load, self._complete_batch, split=split_layers),
             )
 
     @property
@@ -178,9 +178,10 @@ class TransferExecutor:
             measure()
             copy_segments(host[b:], engine[b:], nbytes[b:], best)
 
-    def _copy_load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Runs on the load worker thread (CPU backend). The pairs in any order: copied in slot order."""
-        engine, host, nbytes = self._planner.plan(block_ids, slot_ids, slot_order=True)
+    def _copy_load(self, slot_ids: Sequence[int], block_ids: Sequence[int], layer: int | None = None) -> None:
+        """Runs on the load worker thread (CPU backend). The pairs in any order: copied in slot order.
+        ``layer``: only that layer of each block (a layer-wise load)."""
+        engine, host, nbytes = self._planner.plan(block_ids, slot_ids, slot_order=True, layer=layer)
         self._copy(engine, host, nbytes, SCATTER_GROUP)
 
     def _copy(self, dst: Any, src: Any, nbytes: Any, group: int) -> None:
@@ -211,9 +212,15 @@ class TransferExecutor:
             raise _transfer_error("store", exc) from exc
 
     def _run_load(self, batch: list[TransferFuture]) -> None:
+        # One layer of layer-wise loads, or whole blocks: the stream splits its batches that way
+        # (split_layers), so each part completes as soon as its own copy is done.
         try:
             blocks, slots = self._merged(batch)
-            self._copy_load(slots, blocks)
+            layer = batch[0].layer
+            if layer is None:
+                self._copy_load(slots, blocks)
+            else:
+                self._copy_load(slots, blocks, layer)
         except BaseException as exc:
             raise _transfer_error("load", exc) from exc
 
@@ -276,6 +283,45 @@ class TransferExecutor:
         self._in_flight_bytes += tf.nbytes
         return tf
 
+    def _submit_layers(
+        self, block_ids: list[int], slot_ids: list[int], mark: Mark | None = None
+    ) -> LayeredTransfer:
+        """Accept a layer-wise load: one copy per layer of the layout (:attr:`KVLayout.layers`), queued in
+        layer order, each completing on its own. Loop thread only; arguments already validated."""
+        layout = self._layout
+        if not layout.layers:
+            raise InvalidArgumentError(
+                "layer-wise loads need a plain KVLayout (a grouped layout's units are not split by layer)"
+            )
+        if self._closed:
+            raise ClosedError("transfer executor is closed")
+        n = len(block_ids)
+        jobs = []
+        for layer in range(layout.num_layers):
+            lo, hi = layout.layer_span(layer)
+            jobs.append(
+                TransferFuture(
+                    self._loop,
+                    "load",
+                    block_ids,
+                    slot_ids,
+                    n * (hi - lo),
+                    device=self._device,
+                    mark=mark,
+                    layer=layer,
+                )
+            )
+        pending = self._pending[1]
+        pending.extend(jobs)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+        self._submitted += 1
+        for tf in jobs:
+            self._in_flight.add(tf)
+            self._in_flight_bytes += tf.nbytes
+        return LayeredTransfer(self._loop, jobs)
+
     def before_flush(self, hook: Callable[[], None]) -> None:
         """Register ``hook``, called on the loop thread at the start of every tick's flush and of
         :meth:`drain`: a producer that gathers work during a tick (the offloader's decode stores) submits it
@@ -306,6 +352,11 @@ class TransferExecutor:
         self._flush_scheduled = False
         stores, loads = self._pending
         self._pending = ([], [])
+        if loads and any(tf.layer is not None for tf in loads):
+            # Layer-wise loads of several requests: every request's layer 0 first, then layer 1, ... (whole
+            # loads ahead of them), so the engine's forward, which waits layer by layer for the whole batch,
+            # gets each layer as early as it can. Loads of one tick write disjoint engine blocks.
+            loads.sort(key=_layer_key)
         for store, jobs in ((True, stores), (False, loads)):
             if not jobs:
                 continue
@@ -339,6 +390,16 @@ class TransferExecutor:
         """Copy host slots ``slot_ids[i]`` into engine blocks ``block_ids[i]`` (ordered like submit_store)."""
         ids, slots = self._check(block_ids, slot_ids)
         return self._submit("load", ids, slots, after if after is not None else self.mark())
+
+    def submit_load_layers(
+        self, slot_ids: Sequence[int], block_ids: Sequence[int], *, after: Mark | None = None
+    ) -> LayeredTransfer:
+        """:meth:`submit_load`, layer by layer: one :class:`TransferFuture` per layer of the layout
+        (``result.layers[i]``), copied in layer order on the load stream, each completing (and, on a device,
+        recording its event) as soon as its own copy is done, so an engine can start a layer's attention
+        while the later layers are still being copied."""
+        ids, slots = self._check(block_ids, slot_ids)
+        return self._submit_layers(ids, slots, after if after is not None else self.mark())
 
     def _check(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> tuple[list[int], list[int]]:
         if self._closed:
@@ -411,6 +472,10 @@ class TransferExecutor:
 
     def __repr__(self) -> str:
         return f"<TransferExecutor {self.backend} in_flight={len(self._in_flight)}>"
+
+
+def _layer_key(tf: TransferFuture) -> int:
+    return -1 if tf.layer is None else tf.layer
 
 
 def _transfer_error(kind: str, error: BaseException) -> TransferError:

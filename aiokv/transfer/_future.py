@@ -8,7 +8,7 @@ from typing import Any
 
 from .._errors import InvalidArgumentError, RequestStateError
 
-__all__ = ["TransferFuture", "call_soon_threadsafe_guarded", "resolve"]
+__all__ = ["LayeredTransfer", "TransferFuture", "call_soon_threadsafe_guarded", "resolve", "split_layers"]
 
 
 def resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
@@ -67,6 +67,7 @@ class TransferFuture:
         "context",
         "event",
         "kind",
+        "layer",
         "mark",
         "nbytes",
         "num_blocks",
@@ -83,8 +84,10 @@ class TransferFuture:
         *,
         device: Any = None,
         mark: Any = None,
+        layer: int | None = None,
     ) -> None:
         self._loop = loop
+        self.layer = layer  # a layer-wise copy's layer (KVLayout.layers), None for whole blocks
         self.kind = kind
         self.block_ids = block_ids
         self.slot_ids = slot_ids
@@ -194,4 +197,138 @@ class TransferFuture:
 
     def __repr__(self) -> str:
         state = "done" if self._state == _DONE else ("submitted" if self._submitted else "queued")
-        return f"<TransferFuture {self.kind} {self.num_blocks} blocks {self.nbytes} B {state}>"
+        layer = "" if self.layer is None else f" layer {self.layer}"
+        return f"<TransferFuture {self.kind}{layer} {self.num_blocks} blocks {self.nbytes} B {state}>"
+
+
+class LayeredTransfer:
+    """A copy of whole blocks made of one :class:`TransferFuture` per layer (:attr:`layers`, in the order of
+    the layout's layers, which is the order they are copied in on the stream).
+
+    It is what a layer-wise copy returns, and it answers like one TransferFuture for the whole: it is done
+    when every layer is, its error is the first failed layer's, awaiting it waits for every layer, and its
+    done callbacks run once, after the last layer's own. Nothing about it exists before its layers were
+    accepted by the stream's queue (it is built from them), so nothing can wait on unsubmitted work here
+    either."""
+
+    __slots__ = ("_callbacks", "_fut", "_loop", "_remaining", "context", "kind", "layers")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, layers: Sequence[TransferFuture]) -> None:
+        if not layers:
+            raise InvalidArgumentError("a layered transfer needs at least one layer")
+        self._loop = loop
+        self.layers: tuple[TransferFuture, ...] = tuple(layers)
+        self.kind = self.layers[0].kind
+        self.context: Any = None
+        self._callbacks: list[Callable[[LayeredTransfer], None]] = []
+        self._fut: asyncio.Future[None] | None = None
+        self._remaining = sum(1 for tf in self.layers if not tf.done())
+        for tf in self.layers:
+            if not tf.done():
+                tf.add_done_callback(self._layer_done)
+
+    # The whole copy's figures (every layer copies the same blocks).
+    @property
+    def block_ids(self) -> Sequence[int]:
+        return self.layers[0].block_ids
+
+    @property
+    def slot_ids(self) -> Sequence[int]:
+        return self.layers[0].slot_ids
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layers[0].num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tf.nbytes for tf in self.layers)
+
+    @property
+    def event(self) -> Any:
+        """The last layer's completion event (device backends; ``None`` on the CPU backend)."""
+        return self.layers[-1].event
+
+    @property
+    def submitted(self) -> bool:
+        return all(tf.submitted for tf in self.layers)
+
+    def done(self) -> bool:
+        return self._remaining == 0
+
+    def exception(self) -> BaseException | None:
+        if not self.done():
+            raise asyncio.InvalidStateError("transfer is not done")
+        for tf in self.layers:
+            err = tf.exception()
+            if err is not None:
+                return err
+        return None
+
+    def result(self) -> None:
+        err = self.exception()
+        if err is not None:
+            raise err
+
+    def add_done_callback(self, callback: Callable[[LayeredTransfer], None]) -> None:
+        """Call ``callback(self)`` on the loop thread once every layer completed (soon, if all have)."""
+        if self.done():
+            self._loop.call_soon(callback, self)
+        else:
+            self._callbacks.append(callback)
+
+    async def wait_submitted(self) -> None:
+        """Resolve once every layer's copy is on its stream."""
+        for tf in self.layers:
+            await tf.wait_submitted()
+
+    def order_before(self, stream: Any) -> None:
+        """Make work enqueued on ``stream`` from now on wait for every layer (see
+        :meth:`TransferFuture.order_before`; the layers complete in order, so this waits for the last)."""
+        for tf in self.layers:
+            tf.order_before(stream)
+
+    def _layer_done(self, _tf: TransferFuture) -> None:
+        self._remaining -= 1
+        if self._remaining:
+            return
+        cbs, self._callbacks = self._callbacks, []
+        for cb in cbs:
+            try:
+                cb(self)
+            except Exception as exc:
+                self._loop.call_exception_handler(
+                    {"message": "exception in LayeredTransfer callback", "exception": exc, "future": self}
+                )
+        fut = self._fut
+        if fut is not None:
+            resolve(fut, self.exception())
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if self.done():
+            return self.result()
+        if self._fut is None:
+            self._fut = self._loop.create_future()
+        return (yield from asyncio.shield(self._fut).__await__())
+
+    def __repr__(self) -> str:
+        done = sum(1 for tf in self.layers if tf.done())
+        return (
+            f"<LayeredTransfer {self.kind} {self.num_blocks} blocks, {done}/{len(self.layers)} layers done>"
+        )
+
+
+def split_layers(batch: list[TransferFuture]) -> list[list[TransferFuture]]:
+    """A stream's batch in its parts: runs of consecutive copies of the same layer (whole-block copies are
+    layer ``None``), each copied and completed on its own. Most batches are one part."""
+    layer = batch[0].layer
+    if layer is None and all(tf.layer is None for tf in batch):
+        return [batch]
+    parts: list[list[TransferFuture]] = [[batch[0]]]
+    for tf in batch[1:]:
+        if tf.layer == layer:
+            parts[-1].append(tf)
+        else:
+            layer = tf.layer
+            parts.append([tf])
+    return parts

@@ -8,6 +8,10 @@ waiting on an event that was never recorded does nothing, an error during execut
 host synchronizes and breaks the stream for good, and copies to host memory that was not pinned are refused.
 Per-operation delays and jitter are seeded; streams can be paused and resumed by tests to force a schedule.
 
+Optionally (``copy_bytes_per_s``) the device models time on its host link: every copy between host memory and
+device memory takes ``nbytes / copy_bytes_per_s`` on its stream, which benchmarks use to measure how copies
+overlap with compute (see :class:`SimulatedDevice`).
+
 "Device memory" is ordinary CPU memory: engine tensors are CPU tensors that the simulated kernels read and
 write on their stream's worker, which is exactly what makes ordering bugs visible on a machine without a GPU.
 """
@@ -15,6 +19,7 @@ write on their stream's worker, which is exactly what makes ordering bugs visibl
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import threading
 import time
@@ -68,6 +73,10 @@ class SimEvent:
 
 _RUN, _SET, _WAIT, _HOLD, _STOP = range(5)
 
+# The modelled link's clock and sleep (module level, so a unit test can swap in a deterministic clock).
+_clock = time.perf_counter
+_sleep = time.sleep
+
 
 class SimStream:
     """One simulated stream: a FIFO of operations executed in order by its own worker thread."""
@@ -83,6 +92,9 @@ class SimStream:
         self._waiting_on: threading.Event | None = None  # an event point or a hold
         self._error: BaseException | None = None  # sticky, like a CUDA error
         self.executed = 0
+        # Modelled host link (copy_bytes_per_s): when the previous operation was a modelled copy, the end of
+        # its modelled transfer; copies back to back are one continuous transfer on the link.
+        self._link_end: float | None = None
         self._thread = threading.Thread(target=self._work, name=f"aiokv-sim-{name}", daemon=True)
         self._thread.start()
 
@@ -152,6 +164,7 @@ class SimStream:
                 if kind == _STOP:
                     return
                 if kind in (_WAIT, _HOLD):
+                    self._link_end = None
                     gate = arg.done if kind == _WAIT else arg
                     with cv:
                         self._waiting_on = gate
@@ -165,6 +178,8 @@ class SimStream:
                     arg.done.set()
                 elif self._error is None:  # a broken stream executes nothing more
                     self._delay()
+                    if not isinstance(arg, (_ModelledCopy, _MemoryOp)):
+                        self._link_end = None  # a kernel: its own time, the link's clock starts afresh
                     try:
                         arg()
                     except BaseException as exc:
@@ -182,6 +197,50 @@ class SimStream:
             time.sleep(d)
 
 
+class _ModelledCopy:
+    """A host <-> device copy that occupies its stream for ``nbytes / copy_bytes_per_s`` of device time.
+
+    The stream's worker sleeps until the copy's modelled end before performing it: the copy starts when the
+    stream reaches it or, right after another modelled copy, when that one's transfer ends (whichever is
+    later than its enqueue), so runs of small copies cost their bytes' time on the link and not the
+    simulator's per-operation overhead or the sleep's granularity, which would otherwise add up."""
+
+    __slots__ = ("enqueued", "fn", "nbytes", "seconds", "stream")
+
+    def __init__(self, stream: SimStream, nbytes: int, seconds: float, fn: Callable[[], Any]) -> None:
+        self.stream = stream
+        self.nbytes = nbytes
+        self.seconds = seconds
+        self.fn = fn
+        self.enqueued = _clock()
+
+    def __call__(self) -> None:
+        s = self.stream
+        now = _clock()
+        start = now if s._link_end is None else max(s._link_end, self.enqueued)
+        end = start + self.seconds
+        s._device._count_copy(self.nbytes, self.seconds)
+        if end > now:
+            _sleep(end - now)
+        s._link_end = end
+        self.fn()
+
+
+class _MemoryOp:
+    """With a modelled host link: an operation in device memory only (a device-to-device copy, a gather or
+    scatter of engine blocks). On a GPU it runs at memory speed, far above the link's, so it takes no
+    modelled time: the simulator's own time running it is absorbed by the link's clock like its overhead
+    between copies, instead of being added to the copies around it."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()
+
+
 class _SimCopier(BlockCopier):
     """Gather/scatter of engine blocks with the CPU copy kernel, executed on the stream's worker."""
 
@@ -190,23 +249,27 @@ class _SimCopier(BlockCopier):
         self._layout = layout
         self._planner = CopyPlanner(layout)
 
-    def _run(self, index: torch.Tensor, rows: torch.Tensor, gather: bool) -> None:
+    def _run(self, index: torch.Tensor, rows: torch.Tensor, gather: bool, layer: int | None = None) -> None:
         n = int(rows.shape[0])
         ids = index[:n].tolist()  # read on the device, when the kernel runs, like a real kernel
         num_blocks = self._layout.num_blocks
         if any(b < 0 or b >= num_blocks for b in ids):
             raise SimulatedDeviceError(f"illegal memory access: block index out of [0, {num_blocks})")
-        engine, staging, nbytes = self._planner.plan(ids, range(n), rows)
+        engine, staging, nbytes = self._planner.plan(ids, range(n), rows, layer=layer)
         if gather:
             copy_segments(staging, engine, nbytes, GATHER_GROUP)
         else:
             copy_segments(engine, staging, nbytes, SCATTER_GROUP)
 
     def gather(self, stream: Any, index: torch.Tensor, rows: torch.Tensor) -> None:
-        self._device._enqueue(stream, "gather", lambda: self._run(index, rows, True))
+        self._device._enqueue(stream, "gather", self._device._memory_op(lambda: self._run(index, rows, True)))
 
-    def scatter(self, stream: Any, index: torch.Tensor, rows: torch.Tensor) -> None:
-        self._device._enqueue(stream, "scatter", lambda: self._run(index, rows, False))
+    def scatter(
+        self, stream: Any, index: torch.Tensor, rows: torch.Tensor, *, layer: int | None = None
+    ) -> None:
+        self._device._enqueue(
+            stream, "scatter", self._device._memory_op(lambda: self._run(index, rows, False, layer))
+        )
 
 
 class SimulatedDevice(DeviceBinding):
@@ -216,6 +279,15 @@ class SimulatedDevice(DeviceBinding):
         seed: seeds every stream's delay generator.
         delay_s: time every kernel or copy takes (added before it runs).
         jitter_s: a further uniform random delay in ``[0, jitter_s)`` per operation.
+        copy_bytes_per_s: model the host link's bandwidth: every copy between host memory and device memory
+            (the :meth:`copy` operation with one side allocated by :meth:`alloc` or :meth:`alloc_index`)
+            occupies its stream for ``nbytes / copy_bytes_per_s`` seconds before it completes. ``None``
+            (the default): copies take only the time the simulator needs. Device-to-device copies and the
+            block copier's gather and scatter take no modelled time: on a GPU they run at memory (HBM)
+            speed, well over an order of magnitude above the host link. Copies back to back on a stream are
+            one continuous transfer (the simulator's per-operation overhead and the sleep's granularity do
+            not add up over many small copies); after a kernel or a wait, the link's clock starts afresh.
+            :attr:`modelled_copy_s` and :attr:`modelled_copy_bytes` count the modelled copies.
 
     Use it as ``Offloader(layout, tiers, device=SimulatedDevice(...))`` with CPU tensors as the engine's
     "device" memory, and run the engine's KV writes as stream work (:meth:`launch`) so that they land after
@@ -226,17 +298,37 @@ class SimulatedDevice(DeviceBinding):
 
     kind = "sim"
 
-    def __init__(self, *, seed: int = 0, delay_s: float = 0.0, jitter_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        delay_s: float = 0.0,
+        jitter_s: float = 0.0,
+        copy_bytes_per_s: float | None = None,
+    ) -> None:
         for name, v in (("delay_s", delay_s), ("jitter_s", jitter_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise InvalidTypeError(f"{name} must be a number, got {type(v).__name__}")
             if not v >= 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {v!r}")
+        if copy_bytes_per_s is not None:
+            if isinstance(copy_bytes_per_s, bool) or not isinstance(copy_bytes_per_s, (int, float)):
+                raise InvalidTypeError(
+                    f"copy_bytes_per_s must be a number or None, got {type(copy_bytes_per_s).__name__}"
+                )
+            if not (copy_bytes_per_s > 0 and math.isfinite(copy_bytes_per_s)):
+                raise InvalidArgumentError(
+                    f"copy_bytes_per_s must be a positive finite number of bytes per second, got"
+                    f" {copy_bytes_per_s!r}"
+                )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidTypeError(f"seed must be an int, got {type(seed).__name__}")
         self.seed = seed
         self.delay_s = float(delay_s)
         self.jitter_s = float(jitter_s)
+        self.copy_bytes_per_s = None if copy_bytes_per_s is None else float(copy_bytes_per_s)
+        self.modelled_copy_s = 0.0  # device time of the modelled host <-> device copies executed so far
+        self.modelled_copy_bytes = 0
         self._closed = False
         self._lock = threading.RLock()  # re-entrant: a GC finalizer (_untrack) may run while it is held
         self._streams: list[SimStream] = []
@@ -419,14 +511,62 @@ class SimulatedDevice(DeviceBinding):
             raise InvalidArgumentError("copy needs tensors of equal size")
         if not (dst.is_contiguous() and src.is_contiguous()):
             raise InvalidArgumentError("copy needs contiguous tensors")
+        on_device: list[bool] = []
         for side in (dst, src):
-            if not self._contains(self._device_mem, side) and not self.is_pinned(side):
+            on_device.append(self._contains(self._device_mem, side))
+            if not on_device[-1] and not self.is_pinned(side):
                 raise InvalidArgumentError(
                     "host memory of an asynchronous copy must be pinned (it would make the copy synchronous)"
                 )
         d = dst.view(-1).view(torch.uint8).numpy()
         s = src.view(-1).view(torch.uint8).numpy()
-        self._enqueue(stream, "copy", lambda: np.copyto(d, s))
+        fn: Callable[[], Any] = lambda: np.copyto(d, s)  # noqa: E731
+        rate = self.copy_bytes_per_s
+        if rate is not None and on_device[0] != on_device[1]:  # host <-> device: over the host link
+            nbytes = int(d.nbytes)
+            fn = _ModelledCopy(stream, nbytes, nbytes / rate, fn)
+        elif on_device[0] and on_device[1]:
+            fn = self._memory_op(fn)
+        self._enqueue(stream, "copy", fn)
+
+    def copy_rows(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One strided copy (as ``cudaMemcpy2DAsync``): rows of two 2-d views, each row contiguous."""
+        if dst.dim() != 2 or src.dim() != 2 or dst.shape != src.shape or dst.dtype != src.dtype:
+            raise InvalidArgumentError("copy_rows needs two 2-d tensors of the same shape and dtype")
+        if dst.stride(1) != 1 or src.stride(1) != 1:
+            raise InvalidArgumentError("copy_rows needs contiguous rows")
+        if dst.shape[0] == 0:
+            return
+        on_device: list[bool] = []
+        for side in (dst, src):
+            first, last = side[0], side[-1]  # the region from the first row to the end of the last
+            start = first.data_ptr()
+            end = last.data_ptr() + last.numel() * last.element_size()
+            inside = any(base <= start and end <= base + n for base, n in self._device_mem.items())
+            on_device.append(inside)
+            pinned = any(base <= start and end <= base + n for base, n in self._pinned.items())
+            if not inside and not pinned:
+                raise InvalidArgumentError(
+                    "host memory of an asynchronous copy must be pinned (it would make the copy synchronous)"
+                )
+        d = dst.view(torch.uint8).numpy()
+        s = src.view(torch.uint8).numpy()
+        fn: Callable[[], Any] = lambda: np.copyto(d, s)  # noqa: E731
+        rate = self.copy_bytes_per_s
+        if rate is not None and on_device[0] != on_device[1]:
+            nbytes = int(d.nbytes)
+            fn = _ModelledCopy(stream, nbytes, nbytes / rate, fn)
+        elif on_device[0] and on_device[1]:
+            fn = self._memory_op(fn)
+        self._enqueue(stream, "copy", fn)
+
+    def _memory_op(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        return fn if self.copy_bytes_per_s is None else _MemoryOp(fn)
+
+    def _count_copy(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.modelled_copy_s += seconds
+            self.modelled_copy_bytes += nbytes
 
     def block_copier(self, layout: KVLayout) -> BlockCopier:
         return _SimCopier(self, layout)
@@ -464,7 +604,8 @@ class SimulatedDevice(DeviceBinding):
             s._thread.join(timeout=30)
 
     def describe(self) -> str:
-        return f"sim(seed={self.seed}, delay_s={self.delay_s}, jitter_s={self.jitter_s})"
+        link = "" if self.copy_bytes_per_s is None else f", copy_bytes_per_s={self.copy_bytes_per_s:g}"
+        return f"sim(seed={self.seed}, delay_s={self.delay_s}, jitter_s={self.jitter_s}{link})"
 
     def __repr__(self) -> str:
         return f"SimulatedDevice({self.describe()})"

@@ -65,6 +65,16 @@ class ConnectorConfig:
     create_dirs: bool = False
     """Create a disk tier's directory (and its parents) when it does not exist; by default a missing directory
     is refused, as most often it is a typo that would start a new, empty cache elsewhere."""
+    layerwise: bool = False
+    """Layer-wise loads: a hit is loaded in the step that computes the rest of its prompt (vLLM's synchronous
+    loads), one layer at a time, and the forward's attention of layer ``i`` waits only for layer ``i`` of that
+    step's loads (``wait_for_layer_load``), so the copy of the later layers overlaps the earlier layers'
+    compute. Default: the whole restore completes before vLLM schedules the request (asynchronous loads).
+    Needs vLLM's synchronous scheduling (``async_scheduling=False``); ignored with several KV-cache groups
+    (their loads stay asynchronous, whole)."""
+    layerwise_timeout_s: float = 10.0
+    """With ``layerwise``: how long the forward waits for one layer of its step's loads; a load still missing
+    that layer then fails (its blocks are reported to vLLM, which recomputes them, never reads them)."""
     log_level: str | None = None
     """Level of aiokv's lines in vLLM's output (``"debug"``, ``"info"``, ``"warning"``, ``"error"``,
     ``"critical"``); default: vLLM's (``VLLM_LOGGING_LEVEL``). Ignored when the application configured the
@@ -74,8 +84,9 @@ class ConnectorConfig:
         from ..tiers import check_tier_paths, parse_tiers, policy_names
 
         _check_str("tiers", self.tiers)
-        if not isinstance(self.create_dirs, bool):
-            raise _bad("create_dirs", f"must be true or false, got {self.create_dirs!r}")
+        for name in ("create_dirs", "layerwise"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, f"must be true or false, got {getattr(self, name)!r}")
         try:
             check_tier_paths(
                 parse_tiers(self.tiers),
@@ -95,6 +106,7 @@ class ConnectorConfig:
                 _check_seconds(name, value, positive=True)
         _check_seconds("close_timeout_s", self.close_timeout_s, positive=False)
         _check_seconds("lookup_wait_s", self.lookup_wait_s, positive=False)
+        _check_seconds("layerwise_timeout_s", self.layerwise_timeout_s, positive=True)
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint", "salt", "model_id"):
             value = getattr(self, name)
             if value is not None:

@@ -135,6 +135,16 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra_config(extra)
+        if self.config.layerwise and vllm_config.scheduler_config.async_scheduling:
+            from aiokv.errors import InvalidArgumentError
+
+            # vLLM schedules step N+1 before it learns that a synchronous load of step N failed: that step's
+            # forward computes over the failed blocks and vLLM 0.32 keeps the token it samples (observed).
+            raise InvalidArgumentError(
+                "kv_connector_extra_config['layerwise'] needs vLLM's synchronous scheduling "
+                "(async_scheduling=False, --no-async-scheduling): with asynchronous scheduling vLLM runs the "
+                "next step over a failed layer-wise load before it hears of the failure"
+            )
         # aiokv's lines in vLLM's output, in its format (unless the application configured logging itself).
         adopt_vllm_handlers(self.config.log_level)
         self.scheduler: SchedulerSide | None = None
@@ -215,12 +225,24 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete before vLLM schedules the request (asynchronous loads)
+        # Asynchronous loads (the default) completed before vLLM scheduled the request: nothing to wait for.
+        # Layer-wise mode: this step's loads, layer by layer (WorkerSide.wait_for_layer_load).
+        if self.worker is not None:
+            self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        return None  # stores are whole blocks, submitted after the forward (wait_for_save)
+        # Stores stay whole blocks of every layer, submitted after the forward (wait_for_save), in layer-wise
+        # mode too: a block is stored once it is full and computed, which a per-layer save would not make
+        # sooner, and one copy per block batch costs less than one per layer.
+        return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-wise loads wait in each attention layer (wait_for_layer_load): a full CUDA graph would skip
+        # those waits on replay.
+        return bool(extra_config and extra_config.get("layerwise") is True)
 
     def wait_for_save(self) -> None:
         self._work().wait_for_save(self._meta())

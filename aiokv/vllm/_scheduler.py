@@ -8,7 +8,7 @@ each engine step produces one :class:`AiokvConnectorMetadata`:
 - ``get_num_new_matched_tokens`` answers from a worker lookup: the first call for an admission queues a
   :class:`LookupJob` and returns ``None`` ("ask again"), vLLM's protocol for an asynchronous lookup; once every
   worker has answered (the fewest tokens wins), the hit beyond vLLM's own prefix cache is returned, to be
-  loaded asynchronously.
+  loaded asynchronously (with ``layerwise``: synchronously, in the step that schedules the request).
 - ``update_state_after_alloc`` turns a hit into a :class:`LoadJob` into the blocks vLLM allocated.
 - ``build_connector_meta`` adds one :class:`StepJob` per scheduled request and one preemption job per
   preempted request (the workers finish those before the step's forward may write the freed blocks).
@@ -26,6 +26,7 @@ blocks it allocates (scheduler output and loads) that a sliding position of some
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from ._config import ConnectorConfig
 
 __all__ = ["SchedulerSide"]
+
+_log = logging.getLogger("aiokv.vllm")
 
 
 @dataclass(slots=True, eq=False)
@@ -92,6 +95,14 @@ class SchedulerSide:
         self._holding: set[str] = set()  # requests whose blocks vLLM keeps until we report them
         self.lookups_asked = 0
         self.tokens_offered = 0
+        # Layer-wise mode: hits are loaded synchronously, in the step that schedules the request (the worker
+        # submits them layer by layer in start_load_kv). Several groups: aiokv loads those whole, asynchronously.
+        self.sync_loads = config.layerwise and self.tables is None
+        if config.layerwise and self.tables is not None:
+            _log.warning(
+                "aiokv: kv_connector_extra_config['layerwise'] is ignored with several KV-cache groups: "
+                "their loads stay asynchronous and whole"
+            )
 
     # ------------------------------------------------------------------ admission
     def get_num_new_matched_tokens(
@@ -121,7 +132,9 @@ class SchedulerSide:
         if getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         ext = max(0, t.hit - num_computed_tokens)
-        return ext, ext > 0
+        # Asynchronous loads: vLLM holds the request (WAITING_FOR_REMOTE_KVS) until finished_recving. Layer-wise
+        # mode: a synchronous load, scheduled with the rest of the prompt in this very step.
+        return ext, ext > 0 and not self.sync_loads
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -25,6 +25,18 @@ the aiokv request (``Request.drop_blocks``) before anything else of the step; ``
 only once every copy that may still read them is done (vLLM may write them in this step's forward), and this
 step's loads are submitted only after that. A failed load is reported in ``failed_recving`` only (vLLM refuses
 block-level load errors with several groups; it recomputes the request).
+
+Layer-wise mode (``layerwise``, one KV-cache group): loads are vLLM's synchronous loads. ``handle_preemptions``
+hands the step's other jobs over as above; ``start_load_kv`` (after vLLM zeroed and copied blocks, before the
+forward) submits the step's loads with ``Request.load(..., layerwise=True)``, and a watcher on the loop follows
+them layer by layer (:class:`_LayerLoads`). ``wait_for_layer_load(name)`` blocks vLLM's thread until that layer
+(its index in the layout: the order ``register_kv_caches`` got the caches in) of every one of them is in place,
+at most ``layerwise_timeout_s``. ``wait_for_save`` waits for them to resolve; every block of a load that failed
+(a layer's copy, or the wait past the timeout) is in ``get_block_ids_with_load_errors`` of that same step, so
+vLLM discards the step's output for the request and recomputes those blocks, and nothing the forward computed
+over them is stored: the worker stores nothing more for that request. A load that ran past the timeout is
+waited for (up to the preemption bound) before the next step's forward may write its blocks. Such loads are
+never in ``finished_recving`` (vLLM did not wait for them).
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..bridge import call_in_loop
 from ._block_table import VllmGroup, vllm_groups
@@ -51,13 +63,78 @@ if TYPE_CHECKING:
     from .. import Offloader, Request
     from ._config import ConnectorConfig
 
-__all__ = ["WorkerSide", "build_grouped_layout", "build_layout"]
+__all__ = ["WorkerSide", "build_grouped_layout", "build_layout", "layer_indices"]
 
 _log = logging.getLogger("aiokv.vllm")
 
 # A preemption waits at most this long for the copies reading the request's blocks (they are memcpys or
 # device copies already queued; only a hung device could take this long, and then reuse would be unsafe).
 _PREEMPT_TIMEOUT_S = 300.0
+
+
+class _LayerLoads:
+    """One step's layer-wise loads: followed on the loop (``_watch_layers``), waited for on vLLM's thread.
+
+    ``jobs``: request -> the vLLM blocks its load writes (reported as load errors if it fails). The loop
+    advances ``layers`` (layers of every load in place), records ``failed`` loads and sets ``settled`` once
+    every load resolved; vLLM's thread may give up on the whole step (``expired``: its loads still unsettled
+    count as failed)."""
+
+    __slots__ = ("cond", "expired", "failed", "jobs", "layers", "settled")
+
+    def __init__(self, jobs: dict[str, list[int]]) -> None:
+        self.cond = threading.Condition()
+        self.jobs = jobs
+        self.layers = 0
+        self.failed: set[str] = set()
+        self.settled = False
+        self.expired = False
+
+    # loop thread
+    def fail(self, rid: str) -> None:
+        with self.cond:
+            self.failed.add(rid)
+
+    def advance(self, layers: int) -> None:
+        with self.cond:
+            self.layers = layers
+            self.cond.notify_all()
+
+    def settle(self) -> None:
+        with self.cond:
+            self.settled = True
+            self.cond.notify_all()
+
+    # vLLM's thread
+    def wait_layer(self, index: int, timeout: float) -> bool:
+        """Wait until layer ``index`` of every load is in place (or failed); False on the timeout, after which
+        every load not already failed counts as failed (the step is given up on)."""
+        with self.cond:
+            if self.expired or self.cond.wait_for(lambda: self.layers > index or self.settled, timeout):
+                return True
+            self._expire()
+            return False
+
+    def wait_settled(self, timeout: float) -> bool:
+        with self.cond:
+            if self.expired or self.cond.wait_for(lambda: self.settled, timeout):
+                return True
+            self._expire()
+            return False
+
+    def wait_copies(self, timeout: float) -> bool:
+        """Wait until every load resolved (their copies ended), past any expiry; False on the timeout."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.settled, timeout)
+
+    def outcome(self) -> set[str]:
+        """The loads that failed (final once settled or expired)."""
+        with self.cond:
+            return set(self.failed)
+
+    def _expire(self) -> None:
+        self.expired = True
+        self.failed.update(self.jobs)
 
 
 def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, model_id: str) -> Any:
@@ -116,6 +193,16 @@ def build_grouped_layout(
             )
         kv_groups.append(KVGroup(views, g.kind, window=g.window, token_dim=None, name=f"{g.kind}{g.index}"))
     return KVLayout.from_groups(kv_groups, groups[0].block_size, model_id=model_id)
+
+
+def layer_indices(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> dict[str, int]:
+    """Each layer name's layer index in :func:`build_layout`'s layout (the order ``register_kv_caches`` got
+    them in); a layer aliasing an earlier one's bytes has that layer's index."""
+    first: dict[tuple[int, tuple[int, int]], int] = {}
+    return {
+        name: first.setdefault(_raw_view(name, cache, num_blocks)[0], len(first))
+        for name, cache in kv_caches.items()
+    }
 
 
 def _raw_view(
@@ -183,6 +270,15 @@ class WorkerSide:
         self._prepared: AiokvConnectorMetadata | None = None
         self.step_errors = 0
         self.blocks_dropped = 0  # sliding-window blocks vLLM freed that aiokv was told of (several groups)
+        # Layer-wise mode (one group only: aiokv loads a grouped layout whole).
+        self.layerwise = config.layerwise and self.groups is None
+        self._layer_index: dict[str, int] = {}
+        self._num_layers = 0
+        self._layer_loads: _LayerLoads | None = None  # this step's (vLLM's thread)
+        self._loads_meta: AiokvConnectorMetadata | None = None  # the metadata whose loads were submitted
+        self._unsettled: list[_LayerLoads] = []  # given up on past their timeout, copies maybe still running
+        self._given_up: set[str] = set()  # a layer-wise load failed: nothing more is stored (loop thread)
+        self.layerwise_failed = 0  # layer-wise loads that failed (copy, or past layerwise_timeout_s)
 
     # ------------------------------------------------------------------ lifetime
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -191,7 +287,15 @@ class WorkerSide:
         num_blocks = self.kv_cache_config.num_blocks
         if self.groups is None:
             layout = build_layout(kv_caches, num_blocks, self.block_size, self._model_id())
+            if self.layerwise:
+                self._layer_index = layer_indices(kv_caches, num_blocks)
+                self._num_layers = layout.num_layers
         else:
+            if self.config.layerwise:
+                _log.warning(
+                    "aiokv: kv_connector_extra_config['layerwise'] is ignored with several KV-cache groups: "
+                    "their loads stay asynchronous and whole"
+                )
             layout = build_grouped_layout(kv_caches, self.groups, num_blocks, self._model_id())
         options: dict[str, Any] = {}
         with contextlib.suppress(ImportError):
@@ -280,16 +384,85 @@ class WorkerSide:
 
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
         self._prepare(meta)  # a model runner that did not call handle_preemptions
+        if not self.layerwise or self._loads_meta is meta:
+            return
+        self._loads_meta = meta
+        if not meta.loads:
+            return
+        # vLLM's synchronous loads of this step, before its forward (after vLLM zeroed and copied blocks in
+        # _update_states): submitted layer by layer, after the jobs _prepare handed over (same FIFO).
+        # One group: each job's block ids are one list; the blocks its load writes are past the present ones.
+        jobs = {job.req_id: cast("list[int]", job.block_ids)[job.present_blocks :] for job in meta.loads}
+        step = self._layer_loads = _LayerLoads(jobs)
+        loads = list(meta.loads)
+        call_in_loop(self._running_loop(), lambda: self._on_layer_loads(step, loads))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer-wise mode: block until layer ``layer_name`` of every load of this step is in the engine blocks
+        (or failed: then vLLM is told in this step's load errors), at most ``layerwise_timeout_s``."""
+        step = self._layer_loads
+        if step is None:
+            return
+        # A name register_kv_caches did not get (a layer without KV of its own): every layer.
+        index = self._layer_index.get(layer_name, self._num_layers - 1)
+        if not step.wait_layer(index, self.config.layerwise_timeout_s):
+            _log.error(
+                "aiokv: layer %r of this step's loads not in place after layerwise_timeout_s=%s s: loads of %s "
+                "failed, vLLM recomputes their blocks",
+                layer_name,
+                self.config.layerwise_timeout_s,
+                ", ".join(map(repr, sorted(step.jobs))),
+            )
+
+    def _finish_layer_loads(self) -> set[str]:
+        """After the forward: wait for this step's layer-wise loads to resolve (at most ``layerwise_timeout_s``);
+        every block of a failed one becomes a load error of this step. Returns the failed loads' requests."""
+        step, self._layer_loads = self._layer_loads, None
+        if step is None:
+            return set()
+        step.wait_settled(self.config.layerwise_timeout_s)
+        failed = step.outcome()
+        for rid in failed:
+            self._load_errors.update(step.jobs[rid])
+        self.layerwise_failed += len(failed)
+        if not step.settled:
+            self._unsettled.append(step)  # its copies may still write: the next forward waits for them
+        return failed
+
+    def _conclude_layer_loads(self) -> None:
+        failed = self._finish_layer_loads()
+        if failed:
+            # The forward computed these requests over blocks that hold no valid KV: vLLM discards that and
+            # recomputes; aiokv stores nothing more for them (handed over before this step's steps).
+            call_in_loop(self._running_loop(), lambda: self._give_up(failed))
+
+    def _wait_unsettled(self) -> None:
+        """Before a forward: the copies of loads given up on past their timeout must have ended (vLLM
+        recomputes into their blocks), bounded like a preemption (only a hung copy takes that long)."""
+        while self._unsettled:
+            step = self._unsettled[0]
+            if not step.wait_copies(_PREEMPT_TIMEOUT_S):
+                raise TimeoutError(
+                    f"aiokv: layer-wise loads of {sorted(step.jobs)} still copying after {_PREEMPT_TIMEOUT_S} s"
+                )
+            self._unsettled.pop(0)
 
     def _prepare(self, meta: AiokvConnectorMetadata) -> None:
         if self._prepared is meta:
             return
         self._prepared = meta
+        if self._layer_loads is not None:  # a step that never reached wait_for_save
+            self._conclude_layer_loads()
+        if self._unsettled:
+            self._wait_unsettled()
         if not (meta.lookups or meta.loads or meta.ended or meta.preempted or meta.drops):
             return
-        self._outstanding += len(meta.lookups) + len(meta.loads) + sum(e.report for e in meta.ended)
+        # Layer-wise loads are not reported in finished_recving: not outstanding.
+        loads = 0 if self.layerwise else len(meta.loads)
+        self._outstanding += len(meta.lookups) + loads + sum(e.report for e in meta.ended)
+        submit_loads = not self.layerwise
         waited: concurrent.futures.Future[None] = call_in_loop(
-            self._running_loop(), lambda: self._on_prepare(meta)
+            self._running_loop(), lambda: self._on_prepare(meta, submit_loads)
         )
         if meta.preempted:
             self._wait_preempted(waited)
@@ -308,6 +481,8 @@ class WorkerSide:
 
     def wait_for_save(self, meta: AiokvConnectorMetadata) -> None:
         """After the forward: this step's tokens and blocks, in one hand-over; stores follow on the loop."""
+        if self._layer_loads is not None:
+            self._conclude_layer_loads()
         if not meta.steps:
             return
         sample: tuple[int, float] | None = None
@@ -372,7 +547,9 @@ class WorkerSide:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _on_prepare(self, meta: AiokvConnectorMetadata) -> None:
+    def _on_prepare(self, meta: AiokvConnectorMetadata, submit_loads: bool = True) -> Any:
+        """The step's jobs, in one loop callback (so a later hand-over of this step runs after all of them);
+        returns an awaitable resolving once the preempted and dropped blocks may be reused, or ``None``."""
         fences: list[Any] = [self._drop(job.req_id, job.block_ids) for job in meta.drops]
         for job in meta.ended:
             fences.append(self._end(job))
@@ -383,12 +560,78 @@ class WorkerSide:
         if self.groups is not None and fences:
             # A load may write a block vLLM just freed from a sliding-window position: only once every copy
             # that may still read it is done.
-            await asyncio.gather(*fences)
-            fences = []
-        for load in meta.loads:
+            return self._load_after(fences, meta.loads)
+        if submit_loads:
+            for load in meta.loads:
+                self._load(load)
+        return asyncio.gather(*fences) if fences else None
+
+    async def _load_after(self, fences: list[Any], loads: list[LoadJob]) -> None:
+        await asyncio.gather(*fences)
+        for load in loads:
             self._load(load)
-        if fences:
-            await asyncio.gather(*fences)
+
+    def _on_layer_loads(self, step: _LayerLoads, loads: list[LoadJob]) -> None:
+        """Layer-wise mode: submit the step's loads, layer by layer, and follow them."""
+        watched: list[tuple[str, Any, int]] = []
+        for job in loads:
+            req = self._reqs.get(job.req_id)
+            try:
+                if req is None:
+                    raise LookupError(f"load of unknown request {job.req_id!r}")
+                pending = req.load(job.block_ids, present_blocks=job.present_blocks, layerwise=True)  # type: ignore[arg-type]
+            except Exception:
+                _log.exception("aiokv: load of request %r refused; its blocks are recomputed", job.req_id)
+                step.fail(job.req_id)
+                continue
+            watched.append((job.req_id, pending, len(job.block_ids) * self.block_size))
+        self._spawn(self._watch_layers(step, watched))
+
+    async def _watch_layers(self, step: _LayerLoads, watched: list[tuple[str, Any, int]]) -> None:
+        """Advance ``step`` layer by layer as every load's layer is in place; then await the loads themselves
+        (the aiokv requests' state is final once they resolved)."""
+        complete = False
+        try:
+            for index in range(self._num_layers):
+                for rid, pending, expected in watched:
+                    if rid in step.failed:
+                        continue
+                    try:
+                        ok = await pending.layer(index) >= expected
+                    except Exception:
+                        _log.exception("aiokv: layer-wise load of request %r failed", rid)
+                        ok = False
+                    if not ok:
+                        step.fail(rid)
+                step.advance(index + 1)
+            for rid, pending, expected in watched:
+                try:
+                    ok = await pending >= expected
+                except Exception:
+                    _log.exception("aiokv: layer-wise load of request %r failed", rid)
+                    ok = False
+                if not ok:
+                    step.fail(rid)
+            complete = True
+        finally:
+            if not complete:  # cancelled (the loop is closing): nothing of this step may be served
+                for rid in step.jobs:
+                    step.fail(rid)
+            step.settle()
+
+    def _give_up(self, rids: set[str]) -> None:
+        """Layer-wise loads of these requests failed while vLLM's forward computed over their blocks: store
+        nothing more for them (aborted in aiokv; vLLM recomputes and goes on; a later lookup is a miss)."""
+        for rid in rids:
+            _log.warning(
+                "aiokv: layer-wise load of request %r failed; its blocks are recomputed and nothing more of it "
+                "is stored",
+                rid,
+            )
+            self._given_up.add(rid)
+            req = self._reqs.get(rid)
+            if req is not None and not req.done:
+                self._spawn(_quietly(req.abort()))
 
     def _drop(self, rid: str, block_ids: tuple[list[int], ...] | None) -> Any:
         """Several groups: vLLM freed these sliding-window blocks of the request; tell aiokv (the ones its table
@@ -414,6 +657,8 @@ class WorkerSide:
         off = self.off
         assert off is not None
         for job in steps:
+            if job.req_id in self._given_up:
+                continue
             req = self._reqs.get(job.req_id)
             try:
                 if req is None:  # never looked up (vLLM skipped the connector): open it now
@@ -456,6 +701,9 @@ class WorkerSide:
     def _lookup(self, job: LookupJob) -> None:
         off = self.off
         assert off is not None
+        if job.req_id in self._given_up:  # nothing more of it is stored, nor restored
+            self._report(self._lookups_done, (job.req_id, job.seq, 0))
+            return
         req = self._reqs.get(job.req_id)
         try:
             if req is None:
@@ -518,6 +766,9 @@ class WorkerSide:
         req = self._reqs.get(job.req_id)
         if req is None or req.done:
             return
+        if job.req_id in self._given_up:
+            await _quietly(req.abort())  # resolves once its copies are done
+            return
         dropped = self._drop(job.req_id, job.drops)
         if dropped is not None:
             await dropped  # the preemption's final store skips them
@@ -537,6 +788,18 @@ class WorkerSide:
         freed at the end (several groups, ``job.drops``), or ``None``."""
         fence = self._drop(job.req_id, job.drops)
         req = self._reqs.pop(job.req_id, None)
+        if job.req_id in self._given_up:
+            self._given_up.discard(job.req_id)
+            if req is not None:
+                ending0 = req.abort()  # idempotent: resolves once its copies are done
+
+                async def released() -> None:
+                    await _quietly(ending0)
+                    if job.report:
+                        self._report(self._sent_done, job.req_id)
+
+                self._spawn(released())
+                return fence
         if req is None or req.done:
             if job.report:
                 self._report(self._sent_done, job.req_id)

@@ -278,3 +278,38 @@ async def test_a_grouped_layout_through_the_bridge() -> None:
     lay = sim.layout
     async with aiokv.Offloader(lay, tiers=[aiokv.CPUTier(capacity_bytes=64 * lay.slot_bytes)]) as off:
         assert await anyio.to_thread.run_sync(engine, ThreadBridge(off)) == 4 * BS
+
+
+@pytest.mark.asyncio
+async def test_a_sync_engine_thread_waits_for_a_layerwise_load_layer_by_layer() -> None:
+    """``ThreadRequest.load(..., layerwise=True)`` from the engine's thread: each layer's future resolves to
+    the tokens restored, and the whole load's future as before; a layer of a refused load is an error."""
+    tokens = list(range(40))
+
+    def engine(bridge: ThreadBridge, eng: SimEngine) -> None:
+        req = bridge.open("a", tokens).result(WAIT)
+        assert req.lookup().result(WAIT) == 0
+        blocks = eng.alloc(3)
+        assert blocks is not None
+        _prefill(req, eng, tokens, 0, blocks)
+        req.finish().result(WAIT)
+        eng.release(blocks)
+        req2 = bridge.open("b", [*tokens, 99]).result(WAIT)
+        assert req2.lookup().result(WAIT) == 32
+        reused = eng.alloc(2)
+        assert reused is not None
+        pending = req2.load(reused, layerwise=True)
+        layers = bridge.offloader.layout.num_layers
+        assert [pending.layer(i).result(WAIT) for i in range(layers)] == [32] * layers
+        assert pending.result(WAIT) == 32
+        eng.check_tokens(running_hashes(tokens), reused, 32)
+        with pytest.raises(aiokv.InvalidArgumentError, match="index must be in"):
+            pending.layer(layers).result(WAIT)
+        req2.abort().result(WAIT)
+        refused = req2.load([0], layerwise=True)  # aborted: refused on the loop
+        with pytest.raises(aiokv.RequestStateError):
+            refused.result(WAIT)
+        with pytest.raises(aiokv.InvalidArgumentError, match="a load that was refused"):
+            refused.layer(0).result(WAIT)
+
+    await _in_thread(engine, SimEngine(num_blocks=8))

@@ -56,6 +56,7 @@ async def _run(
     recorder: bool = True,
     budget: int = 64,
     device: SimulatedDevice | None = None,
+    layerwise: bool = False,
     **workload: Any,
 ) -> tuple[dict[str, Any], EngineStats, aiokv.OffloaderStats | None, KVRecorder]:
     cache = PagedKVCache(model.config, num_blocks)
@@ -68,7 +69,14 @@ async def _run(
             return results, engine.stats(), None, rec
     async with (
         _offloader(cache, device) as off,
-        Engine(model, cache, offloader=off, max_num_batched_tokens=budget, on_blocks=hook) as engine,
+        Engine(
+            model,
+            cache,
+            offloader=off,
+            max_num_batched_tokens=budget,
+            on_blocks=hook,
+            layerwise_loads=layerwise,
+        ) as engine,
     ):
         results = await asyncio.wait_for(chat(engine, **workload), STALL_S)
         await engine.wait_idle()
@@ -145,23 +153,51 @@ async def test_offload_matches_recompute_across_multi_turn_workloads_with_preemp
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("seed", "jitter_s"), [(0, 0.0), (1, 0.0002), (3, 0.001)])
+@pytest.mark.parametrize(
+    ("seed", "jitter_s", "layerwise"),
+    [
+        (0, 0.0, False),
+        (1, 0.0002, False),
+        (3, 0.001, False),
+        (0, 0.0, True),
+        (1, 0.0002, True),
+        (3, 0.001, True),
+    ],
+)
 async def test_offload_on_a_simulated_device_matches_recompute(
-    tiny_model: Transformer, seed: int, jitter_s: float
+    tiny_model: Transformer, seed: int, jitter_s: float, layerwise: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine schedules asynchronously on a simulated device: each forward is a kernel on the compute
     stream, ``step()`` is called before it has run (its KV lands later), and loads are awaited on the device
-    (``order_before``) rather than on the host. With seeded jitter on every stream, tokens, logits and every
-    restored KV byte must still be those of the recompute run."""
+    (``order_before``) rather than on the host; with ``layerwise_loads`` a restore is copied layer by layer
+    and the first forward over it runs each layer as a kernel ordered after that layer's copy only. With
+    seeded jitter on every stream, tokens, logits and every restored KV byte must still be those of the
+    recompute run."""
     workload = dict(sessions=4, turns=3, seed=seed, temperature=0.8 if seed % 2 else 0.0)
     cold, _, _, cold_kv = await _run(tiny_model, 20, offload=False, **workload)
+    waits: list[int] = []
+    real = aiokv.LoadCompletion.order_layer_before
+
+    def order_layer_before(self: aiokv.LoadCompletion, index: int, stream: Any = None) -> None:
+        waits.append(index)
+        real(self, index, stream)
+
+    monkeypatch.setattr(aiokv.LoadCompletion, "order_layer_before", order_layer_before)
     device = SimulatedDevice(seed=seed, jitter_s=jitter_s)
     try:
         warm, warm_stats, off_stats, warm_kv = await _run(
-            tiny_model, 20, offload=True, device=device, **workload
+            tiny_model, 20, offload=True, device=device, layerwise=layerwise, **workload
         )
     finally:
         device.close()
+    # Layer-wise: the first forward over each restore waited for its layers one by one, in order.
+    if layerwise:
+        layers = tiny_model.config.num_layers
+        assert waits
+        assert sorted(set(waits)) == list(range(layers))
+        assert all(waits.count(i) == waits.count(0) for i in range(layers))  # every layer, for every restore
+    else:
+        assert waits == []
     assert off_stats is not None
     assert off_stats.backend == "sim"
     assert warm_stats.preemptions > 0
@@ -721,3 +757,25 @@ async def test_the_lifecycle_is_an_enum_shown_in_repr(tiny_model: Transformer) -
     never = Engine(tiny_model, PagedKVCache(tiny_model.config, num_blocks=8, block_size=4))
     await never.aclose()
     assert never.state is EngineState.CLOSED
+
+
+@pytest.mark.asyncio
+async def test_layerwise_loads_on_the_cpu_backend_match_recompute(tiny_model: Transformer) -> None:
+    workload = dict(sessions=4, turns=3, seed=2, temperature=0.0)
+    cold, _, _, _ = await _run(tiny_model, 20, offload=False, **workload)
+    warm, warm_stats, off_stats, _ = await _run(tiny_model, 20, offload=True, layerwise=True, **workload)
+    assert off_stats is not None
+    assert warm_stats.cached_tokens > 0
+    assert off_stats.load_errors == 0
+    for rid, c in cold.items():
+        assert warm[rid].output_token_ids == c.output_token_ids, rid
+    _assert_accounting(warm_stats)
+
+
+@pytest.mark.asyncio
+async def test_layerwise_loads_need_a_plain_layout_and_a_bool(tiny_model: Transformer) -> None:
+    cache = PagedKVCache(tiny_model.config, 8)
+    with pytest.raises(aiokv.InvalidArgumentError, match="layerwise_loads must be a bool"):
+        Engine(tiny_model, cache, layerwise_loads=1)  # type: ignore[arg-type]
+    with pytest.raises(aiokv.InvalidArgumentError, match="layerwise_loads needs an offloader"):
+        Engine(tiny_model, cache, layerwise_loads=True)

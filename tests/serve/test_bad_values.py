@@ -380,6 +380,8 @@ VLLM_ROWS: list[tuple[dict[str, Any], str]] = [
         "['tiers']: disk tier path '{file}' exists and is not a directory",
     ),
     ({"create_dirs": "yes"}, "['create_dirs'] must be true or false, got 'yes'"),
+    ({"layerwise": "yes"}, "['layerwise'] must be true or false, got 'yes'"),
+    ({"layerwise_timeout_s": 0}, "['layerwise_timeout_s'] must be a number of seconds > 0"),
     ({"load_policy": "never"}, "['load_policy'] must be 'decide' or 'always', got 'never'"),
     ({"eviction": "fifo"}, "['eviction'] must be one of"),
     ({"write_through_max_bytes": "64Mb"}, "['write_through_max_bytes'] must be in bytes, got '64Mb'"),

@@ -158,7 +158,10 @@ async def test_a_large_transfer_is_chunked_through_a_fixed_staging_area(h: Harne
         dev = off.executor.stats().device
         assert dev is not None
         assert dev.chunk_blocks == rows
-        assert dev.staging_bytes == 2 * rows * (layout.slot_bytes + 8)
+        # Each direction's rows and their index; the load side's window for layer-wise index uploads too.
+        window = max(rows, rows * layout.slot_bytes // 64)
+        assert dev.staging_bytes == 2 * rows * (layout.slot_bytes + 8) + window * 8
+        assert dev.staging_bytes <= 2 * rows * layout.slot_bytes * 1.2
         if h.sim is not None:
             assert h.sim.allocated_bytes - before == dev.staging_bytes  # allocated once, at start
         prompt = list(range(7 * BS + 1))

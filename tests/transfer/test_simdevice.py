@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aiokv import InvalidArgumentError, InvalidTypeError
-from aiokv.transfer import SimulatedDevice
+from aiokv.transfer import SimulatedDevice, _simdevice
 from aiokv.transfer._simdevice import SimulatedDeviceError
 
 
@@ -155,6 +155,20 @@ def test_current_stream_is_per_thread(dev: SimulatedDevice) -> None:
         ({"jitter_s": float("nan")}, InvalidArgumentError, r"jitter_s must be >= 0, got nan"),
         ({"delay_s": "1"}, InvalidTypeError, r"delay_s must be a number, got str"),
         ({"seed": 1.5}, InvalidTypeError, r"seed must be an int, got float"),
+        ({"copy_bytes_per_s": 0}, InvalidArgumentError, r"copy_bytes_per_s must be a positive finite number"),
+        ({"copy_bytes_per_s": -1e9}, InvalidArgumentError, r"copy_bytes_per_s must be a positive finite"),
+        ({"copy_bytes_per_s": float("inf")}, InvalidArgumentError, r"positive finite number .*, got inf"),
+        ({"copy_bytes_per_s": float("nan")}, InvalidArgumentError, r"positive finite number .*, got nan"),
+        (
+            {"copy_bytes_per_s": "25e9"},
+            InvalidTypeError,
+            r"copy_bytes_per_s must be a number or None, got str",
+        ),
+        (
+            {"copy_bytes_per_s": True},
+            InvalidTypeError,
+            r"copy_bytes_per_s must be a number or None, got bool",
+        ),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs: dict[str, object], error: type, message: str) -> None:
@@ -195,3 +209,121 @@ def test_a_finalizer_running_under_the_device_lock_does_not_deadlock() -> None:
     assert not t.is_alive()  # (a deadlocked device is left unclosed: closing it would hang too)
     assert sim.allocated_bytes == before
     sim.close()
+
+
+class FakeLink:
+    """A deterministic clock for the modelled host link: time advances only when a stream's worker sleeps.
+    Records each sleep: its length, the thread it ran on, and the device buffer's bytes at that moment."""
+
+    def __init__(self, watch: torch.Tensor | None = None) -> None:
+        self.now = 0.0
+        self.watch = watch
+        self.sleeps: list[tuple[float, str, torch.Tensor | None]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        snapshot = None if self.watch is None else self.watch.clone()
+        self.sleeps.append((seconds, threading.current_thread().name, snapshot))
+        self.now += seconds
+
+
+@pytest.fixture
+def link(monkeypatch: pytest.MonkeyPatch) -> FakeLink:
+    fake = FakeLink()
+    monkeypatch.setattr(_simdevice, "_clock", fake.clock)
+    monkeypatch.setattr(_simdevice, "_sleep", fake.sleep)
+    return fake
+
+
+def test_host_link_copies_take_their_bytes_time_on_the_stream_before_completing(link: FakeLink) -> None:
+    dev = SimulatedDevice(copy_bytes_per_s=1000.0)
+    try:
+        s = dev.new_stream("s")
+        device_buf = dev.alloc(4000)
+        device_buf.zero_()
+        other = dev.alloc(1000)
+        other.fill_(9)
+        host = torch.arange(4000, dtype=torch.int32).to(torch.uint8)
+        dev.pin(host)
+        back = torch.zeros(2000, dtype=torch.uint8)
+        dev.pin(back)
+        link.watch = device_buf
+        s.pause()
+        dev.copy(s, device_buf[:1000], host[:1000])  # host -> device: 1 s on the link
+        ev = dev.new_event()
+        dev.record(ev, s)  # an event between copies does not interrupt the transfer
+        dev.copy(s, device_buf[1000:], host[1000:])  # right behind it: 3 s more
+        dev.copy(s, device_buf[:1000], other)  # device -> device: HBM speed, not modelled
+        dev.copy(s, back, device_buf[2000:])  # device -> host: 2 s
+        assert link.sleeps == []  # enqueued: nothing modelled before the stream runs it
+        s.resume()
+        dev.synchronize_stream(s)
+        assert [d for d, _, _ in link.sleeps] == [1.0, 3.0, 2.0]
+        assert {name for _, name, _ in link.sleeps} == {f"aiokv-sim-{s.name}"}
+        # Each copy waits out its time before its bytes land.
+        first, second, third = (snap for _, _, snap in link.sleeps)
+        assert first is not None
+        assert second is not None
+        assert third is not None
+        assert not torch.any(first)
+        assert torch.equal(second[:1000], host[:1000])
+        assert not torch.any(second[1000:])
+        assert torch.all(third[:1000] == 9)
+        assert torch.equal(third[1000:], host[1000:])
+        assert torch.equal(back, host[2000:])
+        assert dev.modelled_copy_s == 6.0
+        assert dev.modelled_copy_bytes == 6000
+        assert "copy_bytes_per_s=1000" in dev.describe()
+    finally:
+        dev.close()
+
+
+def test_a_copy_after_a_wait_starts_when_the_stream_gets_to_it(link: FakeLink) -> None:
+    """Back-to-back copies share the link's clock; a copy behind a wait or a kernel starts afresh (the time
+    the stream spent waiting is not credited to it)."""
+    dev = SimulatedDevice(copy_bytes_per_s=100.0)
+    try:
+        s, other = dev.new_stream("s"), dev.new_stream("other")
+        device_buf = dev.alloc(300)
+        host = torch.ones(300, dtype=torch.uint8)
+        dev.pin(host)
+        gate = other.hold()
+        ev = dev.new_event()
+        dev.record(ev, other)
+        s.pause()
+        dev.copy(s, device_buf[:100], host[:100])
+        dev.wait_event(s, ev)
+        dev.copy(s, device_buf[100:200], host[100:200])
+        dev.launch(s, lambda: None)
+        dev.copy(s, device_buf[200:], host[200:])
+        s.resume()
+        dev.wait_quiescent()
+        assert [d for d, _, _ in link.sleeps] == [1.0]
+        link.now += 5.0  # the wait lasts 5 s
+        gate.set()
+        dev.synchronize_stream(s)
+        assert [d for d, _, _ in link.sleeps] == [1.0, 1.0, 1.0]
+        assert link.now == 8.0
+        assert dev.modelled_copy_s == 3.0
+    finally:
+        dev.close()
+
+
+def test_without_a_link_bandwidth_copies_are_not_delayed(link: FakeLink) -> None:
+    dev = SimulatedDevice()
+    try:
+        s = dev.new_stream("s")
+        device_buf = dev.alloc(64)
+        host = torch.arange(64, dtype=torch.uint8)
+        dev.pin(host)
+        dev.copy(s, device_buf, host)
+        dev.synchronize_stream(s)
+        assert torch.equal(device_buf, host)
+        assert link.sleeps == []
+        assert dev.copy_bytes_per_s is None
+        assert dev.modelled_copy_s == 0.0
+        assert dev.modelled_copy_bytes == 0
+    finally:
+        dev.close()

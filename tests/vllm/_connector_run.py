@@ -13,6 +13,8 @@ needs once and writes every result (tokens, exact logprobs, cached-token counts)
 - ``disk``: a fresh process with the same tiers as ``main``'s disk engine: the batch and the last prompt again, the
   first request of each restored from the disk tier.
 - ``tp2``: the connector engine with ``tensor_parallel_size=2``: the prompts, a reset, the prompts again.
+- ``layerwise``: a no-connector engine and a connector engine with ``layerwise: true``: the prompts, a reset, the
+  prompts again (test_connector_layerwise).
 """
 
 from __future__ import annotations
@@ -208,7 +210,35 @@ def scenario_tp2(args: argparse.Namespace, result: dict[str, Any]) -> None:
     shutdown(llm)
 
 
-SCENARIOS = {"main": scenario_main, "disk": scenario_disk, "tp2": scenario_tp2}
+def scenario_layerwise(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """A no-connector engine and a connector engine with ``layerwise: true`` side by side, both with synchronous
+    scheduling (what layer-wise loads need): the single prompts (computed), a reset, the same again (the
+    connector engine: restored from aiokv, layer by layer)."""
+    plain = timed(result, "start_plain", make_llm, args.model, async_scheduling=False)
+    conn = timed(
+        result,
+        "start_conn",
+        make_llm,
+        args.model,
+        async_scheduling=False,
+        kv_transfer_config=kv_transfer("cpu=256MiB", layerwise=True),
+    )
+    for name, llm in (("plain", plain), ("conn", conn)):
+        prompts = single_prompts()
+        res: dict[str, Any] = {"round1": each(llm, prompts)}
+        res["reset1"] = reset(llm)
+        res["round2"] = timed(result, f"round2_{name}", each, llm, prompts)
+        result[name] = res
+    shutdown(conn)
+    shutdown(plain)
+
+
+SCENARIOS = {
+    "main": scenario_main,
+    "disk": scenario_disk,
+    "tp2": scenario_tp2,
+    "layerwise": scenario_layerwise,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

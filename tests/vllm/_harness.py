@@ -1031,3 +1031,25 @@ def run_engine_steps(
 ) -> dict[str, RequestResult]:
     """Run a fresh ``EngineHarness`` over already-added requests until idle."""
     return EngineHarness(scheduler, worker).run(max_steps)
+
+
+def connector_worker(engine: Any) -> Any:
+    """The aiokv worker side of an engine harness's (or hybrid harness's) connector."""
+    from aiokv.vllm import AiokvConnector
+
+    conn = engine.worker.connector
+    assert isinstance(conn, AiokvConnector)
+    assert conn.worker is not None
+    return conn.worker
+
+
+def connector_stats(engine: Any) -> Any:
+    """The worker side's offloader statistics (``aiokv.OffloaderStats``)."""
+    stats = connector_worker(engine).stats()
+    assert stats is not None
+    return stats
+
+
+def spread_prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids in [1, 1000], spread by ``seed``."""
+    return [(seed * 7919 + i * 104729) % 1000 + 1 for i in range(n)]

@@ -23,6 +23,9 @@ from aiokv.vllm import AiokvConnector
 from aiokv.vllm._worker import WorkerSide
 
 from ._harness import EngineHarness, assert_scheduler_empty, make_engine
+from ._harness import connector_stats as _stats
+from ._harness import connector_worker as _worker
+from ._harness import spread_prompt as _prompt
 
 SCHEDULING = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 BS = 16
@@ -55,28 +58,11 @@ def _engine(
     return engine
 
 
-def _worker(engine: EngineHarness) -> WorkerSide:
-    conn = engine.worker.connector
-    assert isinstance(conn, AiokvConnector)
-    assert conn.worker is not None
-    return conn.worker
-
-
-def _stats(engine: EngineHarness) -> aiokv.OffloaderStats:
-    stats = _worker(engine).stats()
-    assert stats is not None
-    return stats
-
-
 def _offered(engine: EngineHarness) -> int:
     conn = engine.scheduler.connector
     assert isinstance(conn, AiokvConnector)
     assert conn.scheduler is not None
     return conn.scheduler.tokens_offered
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 1000 + 1 for i in range(n)]
 
 
 def _finish(engine: EngineHarness, max_tokens: dict[str, int]) -> None:

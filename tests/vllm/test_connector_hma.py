@@ -21,13 +21,15 @@ pytest.importorskip("vllm")
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 
-import aiokv
 from aiokv._errors import InvalidArgumentError
 from aiokv.vllm import AiokvConnector
 from aiokv.vllm._block_table import vllm_groups
 from aiokv.vllm._worker import WorkerSide
 
 from ._harness import assert_scheduler_empty
+from ._harness import connector_stats as _stats
+from ._harness import connector_worker as _worker
+from ._harness import spread_prompt as _prompt
 from ._hybrid import HybridEngine, make_hybrid_engine
 
 SCHEDULING = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
@@ -65,28 +67,11 @@ def _engine(num_blocks: int = 96, *, async_scheduling: bool = False, **extra: An
     return engine
 
 
-def _worker(engine: HybridEngine) -> WorkerSide:
-    conn = engine.worker.connector
-    assert isinstance(conn, AiokvConnector)
-    assert conn.worker is not None
-    return conn.worker
-
-
 def _sched(engine: HybridEngine) -> Any:
     conn = engine.scheduler.connector
     assert isinstance(conn, AiokvConnector)
     assert conn.scheduler is not None
     return conn.scheduler
-
-
-def _stats(engine: HybridEngine) -> aiokv.OffloaderStats:
-    stats = _worker(engine).stats()
-    assert stats is not None
-    return stats
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 1000 + 1 for i in range(n)]
 
 
 def _finish(engine: HybridEngine, max_tokens: dict[str, int]) -> None:
