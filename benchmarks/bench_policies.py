@@ -20,6 +20,12 @@ Workloads (``--workloads``, comma-separated; default all):
 The default sweep's nine capacities per workload, llama3-8b (128 KiB per token); block hit ratio in
 percent. The replay is deterministic: one run gives the figures. Run:
 ``python benchmarks/bench_policies.py [--workloads agentic,chat] [--policies lru,arc,session,adaptive]``.
+
+``--cv``: leave-one-workload-out cross-validation of ``adaptive``'s two parameters over the grid
+``CV_DECAYS`` x ``CV_STARTS``. For each workload, the parameters are chosen on the *other* workloads (the
+highest worst gap to the better of LRU and ARC, then the highest mean gap) and the held-out workload is
+reported with them; then the choice on every workload, which should be the defaults of
+:class:`aiokv.tiers.AdaptivePolicy`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from _common import write_result
 
 from aiokv.replay import CostModel, TierConfig, Trace, load_trace, replay, synthetic_trace
 from aiokv.replay._sim import auto_capacities
+from aiokv.tiers import AdaptivePolicy, register_policy
 
 KV = 131072
 COST = CostModel(prefill_tokens_per_s=24_725.0)
@@ -60,11 +67,69 @@ def workload(name: str) -> Trace | None:
     raise SystemExit(f"bench_policies: unknown workload {name!r}")
 
 
+CV_DECAYS = (0.9, 0.95, 0.98, 0.99, 0.995, 0.997, 0.998, 0.999)
+CV_STARTS = (1, 16, 64)
+
+
+def _ratio(trace: Trace, cap: int, policy: str) -> float:
+    tiers = [TierConfig("cpu", cap)]
+    return 100 * replay(trace, tiers, policy=policy, kv_bytes_per_token=KV, cost=COST).block_hit_ratio
+
+
+def cross_validate(traces: dict[str, Trace]) -> dict[str, object]:
+    """Leave-one-workload-out over ``CV_DECAYS`` x ``CV_STARTS`` (see the module docstring)."""
+    points = []  # (workload, capacity in bytes, best of lru and arc)
+    for name, trace in traces.items():
+        for cap in auto_capacities(trace, trace.block_tokens * KV):
+            points.append((name, cap, max(_ratio(trace, cap, "lru"), _ratio(trace, cap, "arc"))))
+    gaps: dict[tuple[float, int], list[float]] = {}
+    for decay in CV_DECAYS:
+        for starts in CV_STARTS:
+            register_policy("adaptive-cv", lambda c, d=decay, s=starts: AdaptivePolicy(c, decay=d, starts=s))
+            gaps[(decay, starts)] = [_ratio(traces[w], cap, "adaptive-cv") - best for w, cap, best in points]
+            print(
+                f"  decay {decay}, starts {starts}: worst gap {min(gaps[(decay, starts)]):+.2f}", flush=True
+            )
+
+    def rank(params: tuple[float, int], names: set[str]) -> tuple[float, float]:
+        got = [g for (w, _, _), g in zip(points, gaps[params], strict=True) if w in names]
+        return min(got), sum(got) / len(got)
+
+    names = list(traces)
+    print(
+        "\n| held out | chosen on the others (decay, starts) | their worst gap | held-out worst gap | verdict |"
+    )
+    print("|---|---|---:|---:|---|")
+    folds = {}
+    for held in names:
+        train = set(names) - {held}
+        chosen = max(gaps, key=lambda p: rank(p, train))
+        worst = rank(chosen, {held})[0]
+        folds[held] = {"decay": chosen[0], "starts": chosen[1], "held_out_worst": worst}
+        verdict = "within" if worst >= -TOLERANCE else "MISSED"
+        print(
+            f"| {held} | {chosen[0]}, {chosen[1]} | {rank(chosen, train)[0]:+.2f} | {worst:+.2f} | {verdict} |"
+        )
+    overall = max(gaps, key=lambda p: rank(p, set(names)))
+    default = AdaptivePolicy(1)
+    print(
+        f"\nChosen on all {len(names)} workloads: decay {overall[0]}, starts {overall[1]} (worst gap "
+        f"{rank(overall, set(names))[0]:+.2f}); AdaptivePolicy's defaults: decay {default._decay}, "
+        f"starts {default._starts_needed}"
+    )
+    return {"folds": folds, "chosen": {"decay": overall[0], "starts": overall[1]}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="agentic,chat,retrieval,mix,conversation,mooncake-synthetic")
     ap.add_argument("--policies", default="lru,arc,session,adaptive")
+    ap.add_argument("--cv", action="store_true", help="leave-one-workload-out cross-validation of adaptive")
     args = ap.parse_args()
+    if args.cv:
+        traces = {n: t for n in args.workloads.split(",") if (t := workload(n)) is not None}
+        write_result("policies_cv", cross_validate(traces))
+        return 0
     policies = args.policies.split(",")
     if "lru" not in policies or "arc" not in policies:
         raise SystemExit("bench_policies: --policies must include lru and arc (the baseline)")

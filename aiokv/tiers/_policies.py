@@ -839,9 +839,11 @@ class AdaptivePolicy(EvictionPolicy):
       so is every insert). A shadow that misses inserts the key and, when full, evicts its own victim. Each
       shadow counts the *prefix hits* it would have had: a hit counts while every access before it down the
       same chain was a hit in that shadow too (the replay's and the engine's notion of a hit).
-    - **Leadership.** Once per epoch (at least ``max(capacity, 256)`` accesses and ``starts`` chain heads)
-      each expert's score decays by ``decay`` and adds its epoch's prefix hits; the expert with the highest
-      score leads (ties keep the leader). Nothing else is tuned per trace.
+    - **Leadership.** Once per epoch (``max(capacity, 256)`` accesses, i.e. about one cache-full, and at least
+      ``starts`` chain heads) each expert's score decays by ``decay`` and adds its epoch's prefix hits; the
+      expert with the highest score leads (ties keep the leader). The defaults (``decay=0.997``, a horizon of
+      about 330 cache-fulls of accesses, and ``starts=1``) were chosen by leave-one-workload-out
+      cross-validation over six workloads (docs/policies.md); nothing is tuned per trace.
     - **Following.** The tier's victim is a resident key its leader's shadow does not hold (the one that left
       that shadow first), or, when the leader's shadow holds every resident key, the leader's own first victim
       among them. So a tier whose leader stays put converges to the leader's contents within one cache-full
@@ -863,8 +865,8 @@ class AdaptivePolicy(EvictionPolicy):
         capacity: int,
         *,
         experts: Sequence[str] = ("lru", "arc", "session"),
-        decay: float = 0.9,
-        starts: int = 64,
+        decay: float = 0.997,
+        starts: int = 1,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise InvalidArgumentError(f"capacity must be a positive int, got {capacity!r}")
