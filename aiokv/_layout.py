@@ -67,6 +67,24 @@ def _flatten_layers(tensors: object) -> tuple[list[torch.Tensor], list[int]]:
     return out, sizes
 
 
+def _regroup(layer_sizes: list[int], per_layer: object) -> list[int]:
+    """``KVLayout(tensors_per_layer=n)``: a flat list of tensors, ``n`` consecutive tensors per layer."""
+    if isinstance(per_layer, bool) or not isinstance(per_layer, int) or per_layer <= 0:
+        raise InvalidArgumentError(f"tensors_per_layer must be a positive int or None, got {per_layer!r}")
+    if any(n != 1 for n in layer_sizes):
+        raise InvalidArgumentError(
+            "tensors_per_layer applies to a flat list of tensors ([k0, v0, k1, v1, ...]); these tensors are "
+            "already grouped by layer (pairs or lists): leave tensors_per_layer out"
+        )
+    total = len(layer_sizes)
+    if total % per_layer:
+        raise InvalidArgumentError(
+            f"tensors_per_layer must divide the number of tensors, got tensors_per_layer={per_layer} for "
+            f"{total} tensors"
+        )
+    return [per_layer] * (total // per_layer)
+
+
 def _check_params(block_size: object, block_dim: object, token_dim: object, model_id: object) -> int | None:
     """Validate the scalar arguments; return ``token_dim`` resolved to an index (or ``None``)."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
@@ -248,6 +266,12 @@ class KVLayout:
     different models never match; under tensor parallelism include the rank in it (ranks hold different heads
     with identical shapes).
 
+    ``tensors_per_layer``: for a flat list ``[k0, v0, k1, v1, ...]``, how many consecutive tensors make one
+    model layer (2 here), so :attr:`layers` matches the model's layers for layer-wise loads. Without it a flat
+    list is one layer per tensor (right for one tensor per layer, e.g. MLA's latent cache); a list of
+    ``(k, v)`` pairs or vLLM's ``{layer_name: kv_cache}`` is one layer per item. It changes neither the
+    fingerprint nor the slots: only how :attr:`layers` groups the tensors.
+
     Also refused: tensors on different devices or with different numbers of blocks, a block that is not one
     contiguous run of bytes per segment, tensors whose elements overlap (an expanded view), the same memory
     passed twice (e.g. ``[k0, k0]`` instead of ``[k0, v0]``: V would never be offloaded), and dimensions of
@@ -262,9 +286,12 @@ class KVLayout:
         *,
         token_dim: int | Literal["after_block_dim"] | None = AFTER_BLOCK_DIM,
         model_id: str | None = None,
+        tensors_per_layer: int | None = None,
     ) -> None:
         token_dim = _check_params(block_size, block_dim, token_dim, model_id)
         flat, layer_sizes = _flatten_layers(tensors)
+        if tensors_per_layer is not None:
+            layer_sizes = _regroup(layer_sizes, tensors_per_layer)
         device = _check_devices(flat)
         num_blocks, specs = _tensor_specs(flat, block_dim)
         _check_no_aliasing(flat)

@@ -75,6 +75,34 @@ def test_layers_follow_the_tensors_the_layout_was_built_from() -> None:
     assert KVLayout(torch.zeros(4, BS, 8), block_size=BS).num_layers == 1
 
 
+def test_tensors_per_layer_groups_a_flat_list_into_the_models_layers() -> None:
+    flat = [t for p in _pairs(4) for t in p]  # the guide's [k0, v0, k1, v1, k2, v2]
+    grouped = KVLayout(flat, block_size=BS, tensors_per_layer=2)
+    paired = KVLayout(_pairs(4), block_size=BS)
+    assert grouped.layers == paired.layers == (range(0, 2), range(2, 4), range(4, 6))
+    assert [grouped.layer_span(i) for i in range(3)] == [paired.layer_span(i) for i in range(3)]
+    # Only the layers change: the same keys and slots as the flat layout.
+    plain = KVLayout(flat, block_size=BS)
+    assert (grouped.fingerprint, grouped.slot_bytes) == (plain.fingerprint, plain.slot_bytes)
+    assert KVLayout(flat, block_size=BS, tensors_per_layer=1).layers == plain.layers
+    assert KVLayout(flat, block_size=BS, tensors_per_layer=6).num_layers == 1
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 2.0, "2"])
+def test_a_bad_tensors_per_layer_is_a_clear_error(bad: object) -> None:
+    flat = [t for p in _pairs(4) for t in p]
+    with pytest.raises(InvalidArgumentError, match="tensors_per_layer must be a positive int or None"):
+        KVLayout(flat, block_size=BS, tensors_per_layer=bad)  # type: ignore[arg-type]
+
+
+def test_tensors_per_layer_must_divide_a_flat_list() -> None:
+    flat = [t for p in _pairs(4) for t in p]
+    with pytest.raises(InvalidArgumentError, match="tensors_per_layer=4 for 6 tensors"):
+        KVLayout(flat, block_size=BS, tensors_per_layer=4)
+    with pytest.raises(InvalidArgumentError, match="already grouped by layer"):
+        KVLayout(_pairs(4), block_size=BS, tensors_per_layer=2)
+
+
 def test_a_layers_span_and_segments_cover_its_tensors_in_the_slot() -> None:
     layout = KVLayout([torch.zeros(2, 4, BS, 8), torch.zeros(2, 4, BS, 8)], block_size=BS, block_dim=1)
     layout2 = KVLayout(_pairs(4), block_size=BS)
