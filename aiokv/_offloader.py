@@ -38,6 +38,7 @@ from ._stats import Counters, OffloaderStats
 from ._writethrough import WriteThrough
 from .store import BlockStore
 from .tiers._base import BackingTier, TierSpec
+from .tiers._codec import segments_of
 from .tiers._cpu import CPUTier
 from .tiers._policies import EvictionPolicy
 from .transfer._binding import DeviceBinding
@@ -335,6 +336,7 @@ class Offloader:
             fingerprint=self.layout.fingerprint,
             block_size=self.layout.block_size,
             description=self.layout.describe(),
+            segments=segments_of(self.layout),
         )
         opened: list[BackingTier] = []
         try:

@@ -58,6 +58,9 @@ class TierSpec:
     fingerprint: bytes  # 32 bytes: the layout fingerprint (block size, dtypes, per-block shapes) + model id
     block_size: int  # tokens per block
     description: str  # human readable layout summary, for error messages
+    # The slot's tensors (aiokv.tiers._codec.SegmentSpec), for encodings other than "raw"; () when unknown
+    # (a grouped layout, a spec built by hand): such a tier stores its blocks raw.
+    segments: tuple[Any, ...] = ()
 
 
 class BackingTier(ABC):

@@ -49,6 +49,7 @@ __all__ = [
     "checksum",
     "check_entry",
     "check_damage",
+    "fold_damage",
     "check_header",
     "damaged",
     "pack_header",
@@ -80,6 +81,7 @@ class Verdict(enum.Enum):
     WRONG_KEY = "wrong-key"
     WRONG_LENGTH = "wrong-length"  # payload length differs from the layout's, or the value is truncated
     BAD_CHECKSUM = "bad-checksum"  # payload does not match its checksum (torn write, bit rot)
+    UNDECODABLE = "undecodable"  # an encoded entry that verifies but does not decode (aiokv.tiers._codec)
 
 
 class EntryHeader:
@@ -204,6 +206,16 @@ def check_damage(damage: Sequence[Damage | None], n: int, payload_len: int) -> N
             )
         if not 1 <= mask <= 255:
             raise InvalidArgumentError(f"damage[{i}] mask must be in [1, 255], got {mask}")
+
+
+def fold_damage(damage: Damage, payload_bytes: int) -> Damage:
+    """``damage`` moved into an entry of ``payload_bytes`` payload bytes (an encoded entry, shorter than the
+    caller's block a fault injector drew the offset over): an offset past its end lands in its payload (the
+    same offset modulo its size), one inside it stays where it is (the header stays the header)."""
+    offset, mask = damage
+    if offset >= HEADER_SIZE + payload_bytes:
+        offset = HEADER_SIZE + (offset - HEADER_SIZE) % payload_bytes
+    return offset, mask
 
 
 def damaged(

@@ -30,17 +30,20 @@ TIER_KINDS = ("cpu", "disk", "shm", "redis", "redis-cluster")
 _SHM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
+_ENCODING_SUFFIX = re.compile(r"^(?P<rest>.*):encoding=(?P<encoding>[^:]*)$")
 
 
 @dataclass(frozen=True, slots=True)
 class TierSetting:
     """One parsed entry of ``--tiers``: ``cpu=SIZE``, ``disk=PATH:SIZE``, ``shm=NAME:SIZE``, ``redis=URL`` or
-    ``redis-cluster=URL`` (a ``valkey://`` / ``valkeys://`` URL is the same as ``redis://`` / ``rediss://``)."""
+    ``redis-cluster=URL`` (a ``valkey://`` / ``valkeys://`` URL is the same as ``redis://`` / ``rediss://``);
+    a disk or Redis entry may end in ``:encoding=NAME`` (``DiskTier(encoding=...)``)."""
 
     kind: str
     capacity_bytes: int | None = None
     path: str | None = None
     url: str | None = None
+    encoding: str = "raw"
 
     def build(self) -> CPUTier | BackingTier:
         """The real tier object (not opened)."""
@@ -61,16 +64,17 @@ class TierSetting:
                     _log.info("created the disk tier directory %s", path)
                 except OSError:
                     pass  # DiskTier.open retries and explains the failure
-            return DiskTier(path, self.capacity_bytes)
+            return DiskTier(path, self.capacity_bytes, encoding=self.encoding)
         assert self.url is not None
-        return RedisTier(self.url, cluster=self.kind == "redis-cluster")
+        return RedisTier(self.url, cluster=self.kind == "redis-cluster", encoding=self.encoding)
 
     def describe(self) -> str:
+        suffix = "" if self.encoding == "raw" else f":encoding={self.encoding}"
         if self.kind == "cpu":
             return f"cpu={format_size(self.capacity_bytes or 0)}"
         if self.kind in ("disk", "shm"):
-            return f"{self.kind}={self.path}:{format_size(self.capacity_bytes or 0)}"
-        return f"{self.kind}={_redact(self.url or '')}"
+            return f"{self.kind}={self.path}:{format_size(self.capacity_bytes or 0)}{suffix}"
+        return f"{self.kind}={_redact(self.url or '')}{suffix}"
 
 
 def _redact(url: str) -> str:
@@ -86,7 +90,9 @@ def parse_tiers(text: str) -> tuple[TierSetting, ...]:
     (``shm=NAME:SIZE``, see :class:`~aiokv.tiers.SharedMemoryTier`) and a Redis/Valkey tier (``redis=URL``,
     or ``redis-cluster=URL`` for a Redis Cluster) may follow, each kind at most once. Sizes are in bytes, in
     the grammar of :func:`aiokv.replay.parse_size` (``64GiB``, ``500MB``, plain bytes; ``64Gb`` is refused as
-    ambiguous). Only the text is checked here: :func:`check_tier_paths` checks the disk tier's directory."""
+    ambiguous). A disk or Redis entry may end in ``:encoding=NAME``, how that tier stores blocks (``raw``, the
+    default; ``fp8`` or ``int8``, lossy: see docs/tiers.md), e.g. ``disk=/var/cache/aiokv:1TiB:encoding=fp8``.
+    Only the text is checked here: :func:`check_tier_paths` checks the disk tier's directory."""
     specs: list[TierSetting] = []
     seen: set[str] = set()
     for i, (name, value) in enumerate(parse_assignments(text, "tiers")):
@@ -100,6 +106,17 @@ def parse_tiers(text: str) -> tuple[TierSetting, ...]:
         if family in seen:
             raise InvalidArgumentError(f"tiers must name each kind of tier at most once, got {text!r}")
         seen.add(family)
+        encoding = "raw"
+        suffix = _ENCODING_SUFFIX.match(value)
+        if suffix is not None:
+            if name in ("cpu", "shm"):
+                raise InvalidArgumentError(
+                    f"encoding applies to the disk and redis tiers only (the {name} tier holds the engine's "
+                    f"bytes), got {name}={value!r}"
+                )
+            from ._codec import check_encoding  # torch: only when an encoding is asked for
+
+            value, encoding = suffix["rest"], check_encoding(suffix["encoding"])
         if name == "cpu":
             size = parse_size(value, what="capacity of tier 'cpu'")
             if size is None:
@@ -118,7 +135,7 @@ def parse_tiers(text: str) -> tuple[TierSetting, ...]:
             size = parse_size(size_text, what=f"capacity of tier {name!r}")
             if size is None:
                 raise InvalidArgumentError(f"capacity of tier {name!r} must be finite, got 'inf'")
-            specs.append(TierSetting(name, capacity_bytes=size, path=path))
+            specs.append(TierSetting(name, capacity_bytes=size, path=path, encoding=encoding))
         else:
             if not value.startswith(_URL_SCHEMES):
                 raise InvalidArgumentError(
@@ -127,7 +144,7 @@ def parse_tiers(text: str) -> tuple[TierSetting, ...]:
                 )
             if value.startswith("valkey"):  # the same protocol: redis-py speaks it under its own schemes
                 value = "redis" + value[len("valkey") :]
-            specs.append(TierSetting(name, url=value))
+            specs.append(TierSetting(name, url=value, encoding=encoding))
     return tuple(specs)
 
 

@@ -44,7 +44,13 @@ import torch
 
 from .._errors import DeviceError, InvalidArgumentError
 from ._binding import DeviceBinding
-from ._future import TransferFuture, call_soon_threadsafe_guarded, split_layers
+from ._future import (
+    TransferFuture,
+    call_soon_threadsafe_guarded,
+    fail_layers,
+    skip_failed_layers,
+    split_layers,
+)
 
 if TYPE_CHECKING:
     from .._layout import KVLayout
@@ -208,10 +214,11 @@ class _Pipe:
 
     def _submit_part(self, jobs: list[TransferFuture], error: BaseException | None) -> None:
         b = self._binding
-        if error is None:
+        live = skip_failed_layers(jobs)  # the later layers of a load that lost one are not copied
+        if error is None and live:
             try:
                 pairs = sorted(
-                    (s, blk) for job in jobs for s, blk in zip(job.slot_ids, job.block_ids, strict=True)
+                    (s, blk) for job in live for s, blk in zip(job.slot_ids, job.block_ids, strict=True)
                 )
                 layer = jobs[0].layer
                 window = layer is not None and len(pairs) <= self._window
@@ -222,6 +229,8 @@ class _Pipe:
                     self._chunk(chunk, layer, self._win_index[start : start + len(chunk)] if window else None)
             except BaseException as exc:
                 error = exc
+        if error is not None:
+            fail_layers(live)
         done: Any = None
         try:
             done = b.new_event(blocking=True)
@@ -348,7 +357,8 @@ class _Pipe:
                     error = error or exc
                 if error is not None:
                     for job in jobs:
-                        job._error = error
+                        if job._error is None:  # a skipped layer keeps its own reason
+                            job._error = error
                 finished.extend(jobs)
                 try:
                     item = get_nowait()

@@ -19,7 +19,15 @@ from .._layout import KVLayout
 from ._binding import DeviceBinding
 from ._cpu import SCATTER_GROUP, CopyPlanner, CopyPool, CPUStream, GroupTuner, copy_segments
 from ._device import DeviceBackend, DeviceStats, Mark
-from ._future import LayeredTransfer, TransferFuture, split_layers
+from ._future import (
+    LayeredTransfer,
+    LayerGroup,
+    LayerSkipped,
+    TransferFuture,
+    fail_layers,
+    skip_failed_layers,
+    split_layers,
+)
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ExecutorStats", "TransferExecutor"]
 
@@ -213,16 +221,23 @@ class TransferExecutor:
 
     def _run_load(self, batch: list[TransferFuture]) -> None:
         # One layer of layer-wise loads, or whole blocks: the stream splits its batches that way
-        # (split_layers), so each part completes as soon as its own copy is done.
+        # (split_layers), so each part completes as soon as its own copy is done. The later layers of a load
+        # that lost a layer are not copied (skip_failed_layers): their futures fail without a copy.
+        live = skip_failed_layers(batch)
+        if not live:
+            return
         try:
-            blocks, slots = self._merged(batch)
-            layer = batch[0].layer
+            blocks, slots = self._merged(live)
+            layer = live[0].layer
             if layer is None:
                 self._copy_load(slots, blocks)
             else:
                 self._copy_load(slots, blocks, layer)
         except BaseException as exc:
-            raise _transfer_error("load", exc) from exc
+            fail_layers(live)
+            error = _transfer_error("load", exc)
+            for tf in live:  # not the skipped ones: they keep their own reason
+                tf._error = error
 
     # ------------------------------------------------------------------ completion
     def _complete_batch(self, batch: list[TransferFuture]) -> None:
@@ -232,8 +247,9 @@ class TransferExecutor:
             in_flight.discard(tf)
             self._in_flight_bytes -= tf.nbytes
             if tf._error is not None:
+                if not isinstance(tf._error, LayerSkipped):  # counted once, as the layer that failed
+                    self._failed += 1
                 tf._error = _transfer_error(tf.kind, tf._error)
-                self._failed += 1
             tf._complete()
 
     # ------------------------------------------------------------------ submission
@@ -297,6 +313,7 @@ class TransferExecutor:
             raise ClosedError("transfer executor is closed")
         n = len(block_ids)
         jobs = []
+        group = LayerGroup()
         for layer in range(layout.num_layers):
             lo, hi = layout.layer_span(layer)
             jobs.append(
@@ -311,6 +328,8 @@ class TransferExecutor:
                     layer=layer,
                 )
             )
+        for tf in jobs:
+            tf.group = group
         pending = self._pending[1]
         pending.extend(jobs)
         if not self._flush_scheduled:

@@ -66,6 +66,7 @@ class TransferFuture:
         "block_ids",
         "context",
         "event",
+        "group",
         "kind",
         "layer",
         "mark",
@@ -88,6 +89,7 @@ class TransferFuture:
     ) -> None:
         self._loop = loop
         self.layer = layer  # a layer-wise copy's layer (KVLayout.layers), None for whole blocks
+        self.group: LayerGroup | None = None  # a layer-wise copy: the layers of its load (see LayerGroup)
         self.kind = kind
         self.block_ids = block_ids
         self.slot_ids = slot_ids
@@ -199,6 +201,45 @@ class TransferFuture:
         state = "done" if self._state == _DONE else ("submitted" if self._submitted else "queued")
         layer = "" if self.layer is None else f" layer {self.layer}"
         return f"<TransferFuture {self.kind}{layer} {self.num_blocks} blocks {self.nbytes} B {state}>"
+
+
+class LayerGroup:
+    """The layers of one layer-wise load, shared by their TransferFutures. Once one layer's copy
+    failed, the later layers of the same load are not copied (they fail with :class:`LayerSkipped`): the load is
+    a miss whatever they would write, and its engine blocks are recomputed, so copying them would only spend
+    bandwidth and race the engine's recompute into those blocks. Read and written by the stream's worker only
+    (the thread that runs the copies, in layer order)."""
+
+    __slots__ = ("failed",)
+
+    def __init__(self) -> None:
+        self.failed = False
+
+
+class LayerSkipped(RuntimeError):
+    """A layer of a layer-wise load that was not copied because an earlier layer of that load failed."""
+
+
+def skip_failed_layers(part: list[TransferFuture]) -> list[TransferFuture]:
+    """Worker thread: the copies of ``part`` still to run. A layer whose load already lost an earlier layer is
+    completed as failed (:class:`LayerSkipped`) without copying."""
+    if part[0].layer is None:
+        return part
+    live = []
+    for tf in part:
+        group = tf.group
+        if group is not None and group.failed:
+            tf._error = LayerSkipped(f"layer {tf.layer} not copied: an earlier layer of this load failed")
+        else:
+            live.append(tf)
+    return live
+
+
+def fail_layers(part: list[TransferFuture]) -> None:
+    """Worker thread: ``part``'s copy failed; the later layers of its loads will be skipped."""
+    for tf in part:
+        if tf.group is not None:
+            tf.group.failed = True
 
 
 class LayeredTransfer:

@@ -219,30 +219,56 @@ async def test_layers_of_several_loads_in_one_tick_are_copied_layer_by_layer() -
 
 
 @pytest.mark.asyncio
-async def test_a_failed_layer_fails_the_whole_transfer_and_the_others_still_complete(
+async def test_a_failed_layer_fails_the_whole_transfer_and_its_later_layers_are_not_copied(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Layer 1 of one load fails: its layer 2 is never copied (the load is a miss, its blocks are recomputed:
+    a copy would only race the recompute), while another load queued behind it copies every layer."""
     real = TransferExecutor._copy_load
+    copied: list[tuple[list[int], int | None]] = []
 
     def copy(
         ex: TransferExecutor, slots: Sequence[int], blocks: Sequence[int], layer: int | None = None
     ) -> None:
-        if layer == 1:
+        if layer == 1 and 1 in blocks:
             raise RuntimeError("injected")
+        copied.append((sorted(blocks), layer))
         real(ex, slots, blocks) if layer is None else real(ex, slots, blocks, layer)
 
     monkeypatch.setattr(TransferExecutor, "_copy_load", copy)
     kv = _pairs(8)
-    ex, _layout, _host = await _executor(kv)
+    ex, layout, host = await _executor(kv)
     try:
+        _host_slots(layout, host, [0, 1], req=0)
         lt = ex.submit_load_layers([0], [1])
+        await lt.layers[0]
+        other = ex.submit_load_layers([1], [5])  # queued behind lt's layers: its own copies, every layer
         with pytest.raises(aiokv.TransferError, match="injected"):
             await lt
+        await other
         assert lt.layers[0].exception() is None
-        assert lt.layers[2].exception() is None
-        assert isinstance(lt.exception(), aiokv.TransferError)
-        assert ex.stats().failed == 1
+        assert isinstance(lt.layers[1].exception(), aiokv.TransferError)
+        with pytest.raises(
+            aiokv.TransferError, match="layer 2 not copied: an earlier layer of this load failed"
+        ):
+            lt.layers[2].result()
+        assert "injected" in str(lt.exception())  # the whole load's error is the layer that failed
+        assert bool(torch.all(kv[2][0][1] == 0))  # layer 2: untouched
+        assert bool(torch.all(kv[2][1][1] == 0))
+        assert _layer_ok(kv, 0, 0, [1])
+        assert all(  # slot 1 holds the second block of _host_slots' request
+            bool(torch.all(kv[layer][side][5] == _value(0, layer, 1, side)))
+            for layer in range(LAYERS)
+            for side in range(2)
+        )
+        assert copied == [([1], 0), ([5], 0), ([5], 1), ([5], 2)]
+        assert ex.stats().failed == 1  # the failed layer; the skipped one is not a second failure
         assert ex.stats().in_flight == 0
+        assert ex.stats().in_flight_bytes == 0
+        again = ex.submit_load_layers([0], [1])  # a later load of the same blocks copies every layer again
+        monkeypatch.setattr(TransferExecutor, "_copy_load", real)
+        await again
+        assert all(_layer_ok(kv, 0, layer, [1]) for layer in range(LAYERS))
     finally:
         await ex.aclose()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -22,7 +23,8 @@ from ..._errors import CapacityError, ClosedError, InvalidArgumentError, Invalid
 from ..._log import Throttled, Transitions, get_logger
 from .._base import BackingTier, TierSpec, check_buffers
 from .._catalog import CatalogStats, Reservation, SharedCatalog
-from .._format import Damage, TierHealth, check_damage
+from .._codec import Codec, DecodeError, EncodeError, check_encoding, make_codec
+from .._format import Damage, TierHealth, Verdict, check_damage, fold_damage
 from .._health import Breaker
 from .._index import BlockIndex
 from .._lanes import LanePool
@@ -92,6 +94,10 @@ class DiskTierStats:
     dropped_quota: int = (
         0  # blocks not stored: their tenant was at its quota with no entry of its own to evict
     )
+    encoding: str = (
+        "raw"  # how blocks are stored (DiskTier(encoding=...)); read/stored bytes are encoded bytes
+    )
+    dropped_unencodable: int = 0  # blocks not stored: a value was not finite (lossy encodings only)
 
 
 async def _wait_thread(fut: asyncio.Future[T]) -> tuple[asyncio.Future[T], bool]:
@@ -158,6 +164,7 @@ class DiskTier(BackingTier):
         fsync: bool = False,
         shared: bool = False,
         tenant_quota_bytes: Mapping[object, int] | Callable[[object], int | None] | None = None,
+        encoding: str = "raw",
     ) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -182,6 +189,7 @@ class DiskTier(BackingTier):
                 "tenant_quota_bytes cannot be used with shared=True (the shared catalog evicts by set, for "
                 "every process at once); use one DiskTier per process, or quotas in the CPU tier"
             )
+        self.encoding = check_encoding(encoding)
         self.tenant_quota_bytes = tenant_quota_bytes
         self._quotas = TenantQuotas(tenant_quota_bytes) if tenant_quota_bytes is not None else None
         self.path = Path(path)
@@ -193,7 +201,9 @@ class DiskTier(BackingTier):
         self._preallocate = preallocate
         self._fsync = fsync
 
-        self._spec: TierSpec | None = None
+        self._spec: TierSpec | None = None  # what the files hold (the encoded entries' size and fingerprint)
+        self._codec: Codec | None = None  # None: blocks are stored raw
+        self._block_bytes = 0  # bytes of one caller's block (a CPU slot), once open
         self._geo: _Geometry | None = None
         self._files: _Files | None = None
         self._index: BlockIndex | None = None  # shared=False: this process's index of the directory
@@ -231,6 +241,7 @@ class DiskTier(BackingTier):
                 "raced",
                 "dropped_busy",
                 "dropped_quota",
+                "dropped_unencodable",
             ),
             0,
         )
@@ -277,6 +288,18 @@ class DiskTier(BackingTier):
             raise InvalidArgumentError(f"spec.payload_bytes must be > 0, got {spec.payload_bytes}")
         if len(spec.fingerprint) != 32:
             raise InvalidArgumentError(f"spec.fingerprint must be 32 bytes, got {len(spec.fingerprint)}")
+        block_bytes = spec.payload_bytes
+        codec = make_codec(self.encoding, spec.segments, block_bytes)
+        if codec is not None:
+            # The files hold encoded entries under the encoding's own fingerprint: a directory written with
+            # another encoding (or raw) is another layout to it, started fresh, never decoded.
+            spec = TierSpec(
+                payload_bytes=codec.encoded_bytes,
+                fingerprint=codec.fingerprint(spec.fingerprint),
+                block_size=spec.block_size,
+                description=f"{spec.description} (encoding {self.encoding})",
+                segments=spec.segments,
+            )
         geo = _Geometry(spec.payload_bytes, self.capacity_bytes, self._segment_bytes)
         if geo.num_slots == 0:
             raise CapacityError(
@@ -300,6 +323,8 @@ class DiskTier(BackingTier):
             assert exc is not None
             raise exc
         self._spec = spec
+        self._codec = codec
+        self._block_bytes = block_bytes
         self._geo = geo
         # Reads (staging, i.e. loads) never queue behind writes (write-through): see aiokv.tiers._lanes.
         self._pool = LanePool(self._io_threads, name="aiokv-disk")
@@ -574,7 +599,7 @@ class DiskTier(BackingTier):
 
     async def read_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
         live = self._live()
-        check_buffers("outs", keys, outs, self._geometry().payload_bytes)
+        check_buffers("outs", keys, outs, self._block_bytes)
         if not keys:
             return 0
         self._c["reads"] += 1
@@ -602,8 +627,9 @@ class DiskTier(BackingTier):
         if len(slots) > 1 and files.resident(slots[0]) and files.resident(slots[-1]):
             parts = self._split(len(slots), geo.payload_bytes)
         try:
+            read = files.read if self._codec is None else functools.partial(self._read_decoded, files)
             futs, cancelled = await self._run_all(
-                [(files.read, (slots[a:b], pinned[a:b], outs[a:b])) for a, b in parts]
+                [(read, (slots[a:b], pinned[a:b], outs[a:b])) for a, b in parts]
             )
         finally:
             if catalog is not None:
@@ -716,8 +742,14 @@ class DiskTier(BackingTier):
     ) -> tuple[int, int]:
         """Fault injection hook (used by :class:`~aiokv.tiers.FaultyTier` only): ``write``, except that entry
         ``i`` is stored with the :data:`~aiokv.tiers._format.Damage` ``damage[i]`` applied after its
-        checksums were computed, i.e. corrupt at rest. Returns (stored, how many of them were damaged)."""
-        check_damage(damage, len(keys), self._geometry().payload_bytes)
+        checksums were computed, i.e. corrupt at rest. Returns (stored, how many of them were damaged).
+
+        Offsets are of an entry of the caller's block size (what a wrapper sees); with an encoding the stored
+        entry is shorter and an offset past its end is folded into its payload (:func:`fold_damage`)."""
+        check_damage(damage, len(keys), self._block_bytes)
+        size = self._geometry().payload_bytes
+        if size != self._block_bytes:
+            damage = [None if dmg is None else fold_damage(dmg, size) for dmg in damage]
         return await self._store(keys, payloads, list(damage))
 
     async def _store(
@@ -728,7 +760,7 @@ class DiskTier(BackingTier):
         tenants: Sequence[bytes | None] | None = None,
     ) -> tuple[int, int]:
         live = self._live()
-        check_buffers("payloads", keys, payloads, self._geometry().payload_bytes)
+        check_buffers("payloads", keys, payloads, self._block_bytes)
         self._c["writes"] += 1
         if live is None:
             live = await self._retry_setup()
@@ -751,18 +783,21 @@ class DiskTier(BackingTier):
         seqs = self._sequence_numbers(len(slots))
         assert self._pool is not None
         parts = self._split(len(slots), geo.payload_bytes, self._pool.write_threads)
+        write: Callable[..., tuple[list[bool | None], OSError | None]] = (
+            files.write if self._codec is None else functools.partial(self._encode_and_write, files)  # type: ignore[assignment]
+        )
         try:
             futs, cancelled = await self._run_all(
                 [
                     (
-                        files.write,
+                        write,
                         (slots[a:b], wkeys[a:b], wpayloads[a:b], seqs[a:b], wdamage[a:b] if damage else None),
                     )
                     for a, b in parts
                 ],
                 write=True,
             )
-            ok: list[bool] = []
+            ok: list[bool | None] = []  # None: not encodable, not written
             err: OSError | None = None
             for fut in futs:
                 part_ok, part_err = fut.result()
@@ -771,7 +806,7 @@ class DiskTier(BackingTier):
         except BaseException:
             await self._settle(plan, wkeys, [False] * len(wkeys))
             raise
-        committed, settle_cancelled = await self._settle(plan, wkeys, ok)
+        committed, settle_cancelled = await self._settle(plan, wkeys, [bool(good) for good in ok])
         cancelled = cancelled or settle_cancelled
         stored = sum(committed)
         stored_damaged = sum(
@@ -779,12 +814,21 @@ class DiskTier(BackingTier):
         )
         self._c["stored_blocks"] += stored
         self._c["stored_bytes"] += stored * geo.payload_bytes
-        self._c["dropped_io_error"] += len(wkeys) - sum(ok)
+        unencodable = sum(1 for good in ok if good is None)
+        self._c["dropped_unencodable"] += unencodable
+        self._c["dropped_io_error"] += len(wkeys) - sum(1 for good in ok if good) - unencodable
+        if unencodable:
+            self._log_io.event(
+                "disk tier %r: %d blocks not stored: a value was not finite (encoding %r)",
+                str(self.path),
+                unencodable,
+                self.encoding,
+            )
         if err is not None:
             self._log_io.event(
                 "disk tier %r: %d of %d stores dropped: %s",
                 str(self.path),
-                len(wkeys) - sum(ok),
+                len(wkeys) - sum(1 for good in ok if good),
                 len(wkeys),
                 _describe(err),
             )
@@ -796,6 +840,61 @@ class DiskTier(BackingTier):
         if cancelled:
             raise asyncio.CancelledError
         return plan.skipped + stored, stored_damaged
+
+    # --------------------------------------------------------------- encodings (I/O threads)
+    def _encode_and_write(
+        self,
+        files: _Files,
+        slots: list[int],
+        keys: list[bytes],
+        payloads: list[memoryview],
+        seqs: list[int],
+        damage: list[Damage | None] | None,
+    ) -> tuple[list[bool | None], OSError | None]:
+        """``_Files.write`` of the encoded ``payloads`` (I/O thread). ``ok[i]`` is ``None`` for a block that
+        could not be encoded (not written)."""
+        codec = self._codec
+        assert codec is not None
+        size = codec.encoded_bytes
+        encoded: list[memoryview] = []
+        keep: list[int] = []
+        for i, payload in enumerate(payloads):
+            buf = bytearray(size)
+            try:
+                codec.encode(payload, buf)
+            except EncodeError:
+                continue
+            encoded.append(memoryview(buf))
+            keep.append(i)
+        ok: list[bool | None] = [None] * len(payloads)
+        if not keep:
+            return ok, None
+        written, err = files.write(
+            [slots[i] for i in keep],
+            [keys[i] for i in keep],
+            encoded,
+            [seqs[i] for i in keep],
+            [damage[i] for i in keep] if damage is not None else None,
+        )
+        for i, good in zip(keep, written, strict=True):
+            ok[i] = good
+        return ok, err
+
+    def _read_decoded(
+        self, files: _Files, slots: list[int], keys: list[bytes], outs: Sequence[memoryview]
+    ) -> tuple[int, Verdict | None, OSError | None]:
+        """``_Files.read`` into scratch buffers, then each verified entry decoded into ``outs`` (I/O thread).
+        An entry that verifies but does not decode ends the read there, as a corrupt one does."""
+        codec = self._codec
+        assert codec is not None
+        scratch = [memoryview(bytearray(codec.encoded_bytes)) for _ in slots]
+        done, verdict, err = files.read(slots, keys, scratch)
+        for i in range(done):
+            try:
+                codec.decode(scratch[i], outs[i])
+            except DecodeError:
+                return i, Verdict.UNDECODABLE, None
+        return done, verdict, err
 
     def _sequence_numbers(self, n: int) -> list[int]:
         """Write order stamped in the headers (recovery order): a counter when this process owns the
@@ -947,6 +1046,7 @@ class DiskTier(BackingTier):
             shared=self.shared,
             reclaimed=reclaimed,
             last_error=self._last_error,
+            encoding=self.encoding,
             reads_ahead_of_writes=self._pool.reads_ahead_of_writes
             if self._pool is not None
             else self._reads_ahead,

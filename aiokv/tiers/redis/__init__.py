@@ -8,6 +8,12 @@ they never read, count or delete each other's parts. Entries of another layout l
 that is foreign anyway (written by hand, by another version, truncated) fails verification, counts as
 ``corrupt``, is deleted and is a miss.
 
+With ``encoding="fp8"`` or ``"int8"`` (``RedisTier(..., encoding=)``, or ``:encoding=NAME`` in ``--tiers``) the
+payload is the block encoded by :mod:`aiokv.tiers._codec` (about half the bytes of a 16-bit block) and
+``fingerprint`` is the encoded entry's (the layout's and the encoding's), so processes writing another encoding
+use other keys. Encoding and decoding run off the loop and count against the call's deadline; a block that
+cannot be encoded (not finite) is not stored, an entry that verifies but does not decode is a miss.
+
 - ``lookup`` sends one pipelined ``EXISTS`` per key (one round trip for the whole prefix).
 - ``read_into`` sends pipelined ``GET`` (``GETEX`` refreshing the TTL when ``ttl_s`` is set), in batches of at
   most ``max_batch_bytes``, verifies each value, then copies its payload into the caller's buffer.

@@ -1,15 +1,16 @@
 """The Redis tier itself: :class:`RedisTier` (options, open with its credential and value-size checks, one
 bounded round trip per call under the health breaker, cluster redirects followed per hop, lookups, verified
-reads, stores, logs) and its stats record :class:`RedisTierStats`.
+reads, stores, block encodings, logs) and its stats record :class:`RedisTierStats`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,7 +27,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..._errors import ClosedError, InvalidArgumentError, InvalidTypeError, MissingDependencyError
 from ..._log import Throttled, Transitions, get_logger
 from .._base import BackingTier, TierSpec, check_buffers
-from .._format import HEADER_SIZE, Damage, TierHealth, Verdict, check_damage, pack_header
+from .._codec import Codec, DecodeError, EncodeError, check_encoding, make_codec
+from .._format import HEADER_SIZE, Damage, TierHealth, Verdict, check_damage, fold_damage, pack_header
 from .._health import Breaker
 from ._connection import _check_url, _close_client, _connection_options, _redact, _server_max_value_bytes
 from ._replies import _FAILED, _Failed, _first_unavailable, _is_timeout, _refusal, _unavailable
@@ -56,6 +58,10 @@ _REDIRECTS = 4  # cluster: ASK / MOVED answers followed per command within one c
 
 @dataclass(frozen=True, slots=True)
 class RedisTierStats:
+    """A :class:`RedisTier`'s counters and health. ``read_bytes`` and ``stored_bytes`` count the payload bytes
+    moved to and from the server (headers not included): with a lossy ``encoding`` the encoded bytes, fewer than
+    the blocks' size in the engine."""
+
     health: TierHealth
     url: str  # password removed
     namespace: str
@@ -81,6 +87,8 @@ class RedisTierStats:
     parts_per_block: int  # values per block (1 unless blocks are split)
     server_max_value_bytes: int | None  # the server's proto-max-bulk-len, when it could be read at open
     last_error: str | None
+    encoding: str = "raw"  # how blocks are stored (RedisTier(encoding=...))
+    dropped_unencodable: int = 0  # blocks not stored: a value was not finite (lossy encodings only)
 
 
 def _positive(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -112,6 +120,13 @@ class RedisTier(BackingTier):
     (default: the server's ``proto-max-bulk-len``, read at open, else 512 MiB): larger blocks are split into
     parts. ``clock`` (monotonic seconds) times the backoff; it exists for tests.
 
+    ``encoding`` is how blocks are stored: ``"raw"`` (the default: the exact bytes), or ``"fp8"`` / ``"int8"``,
+    lossy, about half the bytes of a bf16 or fp16 block (see :mod:`aiokv.tiers._codec`; the tier must be opened
+    with the layout's tensor shapes, as an :class:`~aiokv.Offloader` does). Entries of each encoding live under
+    keys and a fingerprint of their own: processes using another encoding (or raw) never read them. Encoding
+    and decoding run in the loop's default executor, and ``timeout_s`` bounds the round trips only: that work
+    comes on top. A block with a value that is not finite is not stored (``dropped_unencodable``).
+
     :meth:`open` raises :class:`~aiokv.InvalidArgumentError` when the server refuses the credentials or the
     user may not run the tier's commands on its keys; an unreachable server only leaves the tier degraded.
     """
@@ -138,6 +153,7 @@ class RedisTier(BackingTier):
         backoff_s: float = 0.5,
         backoff_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        encoding: str = "raw",
     ) -> None:
         if _IMPORT_ERROR is not None:
             raise MissingDependencyError(
@@ -155,6 +171,7 @@ class RedisTier(BackingTier):
         _positive_int("failures_to_down", failures_to_down)
         if max_value_bytes is not None:
             _positive_int("max_value_bytes", max_value_bytes, minimum=_MIN_VALUE_BYTES)
+        self._encoding = check_encoding(encoding)
         self.namespace = namespace
         self.ttl_s = ttl_s
         self.timeout_s = float(timeout_s)
@@ -177,7 +194,9 @@ class RedisTier(BackingTier):
         self._stale_topology = False  # cluster: refresh the slot map before the next round trip
         self._buffers: list[bytearray] = []  # reusable value buffers (header + payload), see write()
         self._keep_buffers = 0
-        self._spec: TierSpec | None = None
+        self._spec: TierSpec | None = None  # the caller's: buffers are slots of its payload_bytes
+        self._stored: TierSpec | None = None  # the entries' (encoded payload, fingerprint): see open()
+        self._codec: Codec | None = None  # None: blocks stored raw
         self._split: _Split | None = None
         self._server_max_value_bytes: int | None = None
         self._prefix = b""
@@ -197,6 +216,7 @@ class RedisTier(BackingTier):
                 "stored_blocks",
                 "stored_bytes",
                 "dropped",
+                "dropped_unencodable",
                 "rejected",
                 "errors",
                 "timeouts",
@@ -212,6 +232,9 @@ class RedisTier(BackingTier):
         self._log_io = Throttled(_log, logging.WARNING, f"{where}: failed round trips")
         self._log_corrupt = Throttled(_log, logging.WARNING, f"{where}: corrupt values dropped")
         self._log_rejected = Throttled(_log, logging.WARNING, f"{where}: values refused by the server")
+        self._log_unencodable = Throttled(
+            _log, logging.WARNING, f"{where}: blocks not stored (values not finite)"
+        )
         self._log_too_large = Throttled(
             _log, logging.ERROR, f"{where}: values larger than the server accepts"
         )
@@ -219,9 +242,14 @@ class RedisTier(BackingTier):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._opened else "new"
         return (
-            f"<RedisTier {_redact(self.url)!r} namespace={self.namespace!r} {state} "
-            f"health={self._breaker.state.value}>"
+            f"<RedisTier {_redact(self.url)!r} namespace={self.namespace!r} encoding={self._encoding!r} "
+            f"{state} health={self._breaker.state.value}>"
         )
+
+    @property
+    def encoding(self) -> str:
+        """How blocks are stored: ``"raw"``, ``"fp8"`` or ``"int8"`` (see the class docstring)."""
+        return self._encoding
 
     # ------------------------------------------------------------- lifecycle
     async def open(self, spec: TierSpec) -> None:
@@ -230,8 +258,9 @@ class RedisTier(BackingTier):
 
         Raises :class:`~aiokv.InvalidArgumentError` when the server refuses the credentials (``WRONGPASS``,
         ``NOAUTH``) or the user may not run ``EXISTS``, ``GET``/``GETEX``, ``SET`` and ``DEL`` on the
-        namespace's keys (``NOPERM``); the tier is closed then. Never raises for an unreachable server: the tier
-        starts ``"degraded"`` or ``"down"`` and probes again later.
+        namespace's keys (``NOPERM``); the tier is closed then; also (before connecting) for a lossy
+        ``encoding`` and a ``spec`` without the layout's tensor shapes (``segments``). Never raises for an
+        unreachable server: the tier starts ``"degraded"`` or ``"down"`` and probes again later.
         """
         if self._opened or self._closed:
             raise ClosedError("a RedisTier can be opened once; create a new one")
@@ -241,10 +270,24 @@ class RedisTier(BackingTier):
             raise InvalidArgumentError(f"spec.payload_bytes must be > 0, got {spec.payload_bytes}")
         if len(spec.fingerprint) != 32:
             raise InvalidArgumentError(f"spec.fingerprint must be 32 bytes, got {len(spec.fingerprint)}")
+        codec = make_codec(self._encoding, spec.segments, spec.payload_bytes)
+        stored = spec
+        if codec is not None:
+            # Entries hold the encoded payload under the encoding's own fingerprint, in keys of their own:
+            # values of another encoding (or raw) are another layout to this tier, never decoded.
+            stored = TierSpec(
+                payload_bytes=codec.encoded_bytes,
+                fingerprint=codec.fingerprint(spec.fingerprint),
+                block_size=spec.block_size,
+                description=f"{spec.description} (encoding {self._encoding})",
+                segments=spec.segments,
+            )
         self._spec = spec
-        self._prefix = f"{self.namespace}:{spec.fingerprint[:8].hex()}:".encode()
+        self._stored = stored
+        self._codec = codec
+        self._prefix = f"{self.namespace}:{stored.fingerprint[:8].hex()}:".encode()
         self._split = _Split.of(
-            HEADER_SIZE + spec.payload_bytes, self._max_value_bytes or DEFAULT_MAX_VALUE_BYTES
+            HEADER_SIZE + stored.payload_bytes, self._max_value_bytes or DEFAULT_MAX_VALUE_BYTES
         )
         self._keep_buffers = self._batch_len()
         self._client = self._make_client()
@@ -344,6 +387,7 @@ class RedisTier(BackingTier):
             self._log_io,
             self._log_corrupt,
             self._log_rejected,
+            self._log_unencodable,
             self._log_too_large,
         ):
             throttle.flush()
@@ -371,6 +415,12 @@ class RedisTier(BackingTier):
     def _parts(self) -> _Split:
         assert self._split is not None
         return self._split
+
+    def _stored_spec(self) -> TierSpec:
+        """The spec of the stored entries: the caller's, or with a lossy encoding its encoded payload size and
+        fingerprint (see :meth:`open`)."""
+        assert self._stored is not None
+        return self._stored
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key of block ``key`` (of its first part when blocks are split), for tools and tests."""
@@ -638,10 +688,19 @@ class RedisTier(BackingTier):
             values = await self._call(op, deadline, check=_first_unavailable)
             if isinstance(values, _Failed):
                 break
+            verdicts: Iterable[Verdict | None]
+            if self._codec is None:  # verified block by block, up to the first that is not OK
+                verdicts = (
+                    self._assemble(key, values[j * per : (j + 1) * per], outs[done + j])
+                    for j, key in enumerate(chunk)
+                )
+            else:  # verified and decoded in a thread, up to the first that is not OK
+                started = _now()
+                verdicts = await _off_loop(self._decode_values, chunk, values, outs[done : done + len(chunk)])
+                deadline += _now() - started  # timeout_s bounds the round trips, not the decoding
             corrupt: bytes | None = None
             accepted = 0
-            for j, key in enumerate(chunk):
-                verdict = self._assemble(key, values[j * per : (j + 1) * per], outs[done + j])
+            for j, (key, verdict) in enumerate(zip(chunk, verdicts, strict=False)):
                 if verdict is None:  # absent, or its node could not serve it: a miss
                     if self.kv_events is not None and None in values[j * per : (j + 1) * per]:
                         self.kv_events.removed([key])  # gone from the server (expired, evicted)
@@ -668,14 +727,36 @@ class RedisTier(BackingTier):
         if done < len(keys):
             self._c["read_misses"] += 1
         self._c["read_blocks"] += done
-        self._c["read_bytes"] += done * spec.payload_bytes
+        self._c["read_bytes"] += done * self._stored_spec().payload_bytes
         return done
 
     def _assemble(self, key: bytes, values: Sequence[Any], out: memoryview) -> Verdict | None:
-        """Verify block ``key`` from its values and copy its payload into ``out``: see
+        """Verify block ``key`` from its values and copy its (stored) payload into ``out``: see
         :func:`aiokv.tiers.redis._values._assemble`."""
-        assert self._spec is not None
-        return _assemble(key, values, out, self._spec, self._parts())
+        return _assemble(key, values, out, self._stored_spec(), self._parts())
+
+    def _decode_values(
+        self, keys: Sequence[bytes], values: Sequence[Any], outs: Sequence[memoryview]
+    ) -> list[Verdict | None]:
+        """Verify the encoded entries of ``keys`` from their ``values`` (``parts`` each) and decode each into
+        ``outs[i]`` (runs in a thread): the verdicts up to the first that is not OK (``UNDECODABLE`` for an entry
+        that verifies but does not decode; ``outs[i]`` may then hold partial data, as for a corrupt entry)."""
+        codec = self._codec
+        assert codec is not None
+        per = self._parts().parts
+        scratch = memoryview(bytearray(codec.encoded_bytes))  # one entry at a time: verified, then decoded
+        verdicts: list[Verdict | None] = []
+        for j, key in enumerate(keys):
+            verdict = self._assemble(key, values[j * per : (j + 1) * per], scratch)
+            if verdict is Verdict.OK:
+                try:
+                    codec.decode(scratch, outs[j])
+                except DecodeError:
+                    verdict = Verdict.UNDECODABLE
+            verdicts.append(verdict)
+            if verdict is not Verdict.OK:
+                break
+        return verdicts
 
     async def _delete(self, rkeys: list[bytes], deadline: float) -> None:
         async def op(client: Redis | RedisCluster) -> list[Any]:
@@ -692,9 +773,16 @@ class RedisTier(BackingTier):
     ) -> tuple[int, int]:
         """Fault injection hook (used by :class:`~aiokv.tiers.FaultyTier` only): ``write``, except that value
         ``i`` is stored with the :data:`~aiokv.tiers._format.Damage` ``damage[i]`` applied after its
-        checksums were computed, i.e. corrupt at rest. Returns (stored, how many of them were damaged)."""
+        checksums were computed, i.e. corrupt at rest. Returns (stored, how many of them were damaged).
+
+        Offsets are of an entry of the caller's ``payload_bytes`` (what a wrapper sees). With a lossy encoding
+        the stored entry is shorter: an offset past its end is folded into its payload, so the damage still
+        hits the stored, encoded entry (the header stays the header)."""
         _, spec = self._live()
         check_damage(damage, len(keys), spec.payload_bytes)
+        size = self._stored_spec().payload_bytes
+        if size != spec.payload_bytes:
+            damage = [None if dmg is None else fold_damage(dmg, size) for dmg in damage]
         return await self._store(keys, payloads, damage)
 
     async def _store(
@@ -710,45 +798,63 @@ class RedisTier(BackingTier):
         split = self._parts()
         per = split.parts
         bounds = split.bounds()
+        fingerprint = self._stored_spec().fingerprint
         stored = 0
         stored_damaged = 0
+        unencodable = 0
         start = 0
         while start < len(keys):
-            # Values are built (payloads copied) before the round trip: nothing references the caller's buffers
-            # once this iteration awaits, so a cancelled write never reads a recycled slot. Reused buffers avoid
-            # page-faulting a fresh allocation per value (the dominant cost of building large values).
-            bufs: list[bytearray] = []
-            items: list[tuple[bytes, memoryview]] = []
-            for k, p in zip(keys[start : start + step], payloads[start : start + step], strict=True):
-                buf = self._buffers.pop() if self._buffers else bytearray(split.entry_bytes)
-                value = memoryview(buf)
-                value[:HEADER_SIZE] = pack_header(k, spec.fingerprint, p)
-                value[HEADER_SIZE:] = _as_bytes(p)
-                bufs.append(buf)
-                items += [(rkey, value[a:b]) for rkey, (a, b) in zip(self.redis_keys(k), bounds, strict=True)]
+            # Values are built (payloads copied or encoded) before the round trip: nothing references the
+            # caller's buffers once this iteration awaits the server, so a cancelled write never reads a recycled
+            # slot. Reused buffers avoid page-faulting a fresh allocation per value (the dominant cost of building
+            # large values).
+            chunk_keys = keys[start : start + step]
+            chunk_payloads = payloads[start : start + step]
+            bufs = [
+                self._buffers.pop() if self._buffers else bytearray(split.entry_bytes) for _ in chunk_keys
+            ]
+            if self._codec is None:
+                for k, p, buf in zip(chunk_keys, chunk_payloads, bufs, strict=True):
+                    value = memoryview(buf)
+                    value[:HEADER_SIZE] = pack_header(k, fingerprint, p)
+                    value[HEADER_SIZE:] = _as_bytes(p)
+                kept = list(range(len(bufs)))
+            else:  # encoded in a thread, which has finished reading the payloads when it returns
+                started = _now()
+                kept = await _off_loop(self._encode_values, chunk_keys, chunk_payloads, bufs, fingerprint)
+                deadline += _now() - started  # timeout_s bounds the round trips, not the encoding
+                unencodable += len(bufs) - len(kept)
+            sent = [bufs[i] for i in kept]
             # Fault injection: flip one byte of an entry after its checksums were computed (a reused buffer is
             # rewritten whole before its next use).
-            hurt = damage[start : start + len(bufs)] if damage is not None else ()
-            for buf, dmg in zip(bufs, hurt, strict=False):
+            hurt = [damage[start + i] for i in kept] if damage is not None else []
+            for buf, dmg in zip(sent, hurt, strict=False):  # hurt is empty without damage
                 if dmg is not None:
                     buf[dmg[0]] ^= dmg[1]
+            items = [
+                (rkey, memoryview(buf)[a:b])
+                for i, buf in zip(kept, sent, strict=True)
+                for rkey, (a, b) in zip(self.redis_keys(chunk_keys[i]), bounds, strict=True)
+            ]
 
             async def op(
                 client: Redis | RedisCluster, items: list[tuple[bytes, memoryview]] = items
             ) -> list[Any]:
                 return await self._pipeline(client, [("SET", rkey, value, *px) for rkey, value in items])
 
-            result = await self._call(op, deadline, check=_first_unavailable)
+            result: list[Any] | _Failed = []  # nothing to send when no block of the batch could be encoded
+            if items:
+                result = await self._call(op, deadline, check=_first_unavailable)
             if isinstance(result, _Failed):
                 break  # the buffers may still be referenced by a closing connection: let them go
             acked: list[bytes] | None = [] if self.kv_events is not None else None
-            for j in range(len(bufs)):
+            for j, i in enumerate(kept):
                 replies = result[j * per : (j + 1) * per]
                 if all(reply is True for reply in replies):
                     stored += 1
                     stored_damaged += bool(hurt) and hurt[j] is not None
                     if acked is not None:
-                        acked.append(keys[start + j])
+                        acked.append(chunk_keys[i])
                     continue
                 refusal = next(
                     (r for r in replies if isinstance(r, ResponseError) and not _unavailable(r)), None
@@ -763,10 +869,40 @@ class RedisTier(BackingTier):
             del items
             # The server answered, so every byte was sent: the buffers can be reused.
             self._buffers.extend(bufs[: max(0, self._keep_buffers - len(self._buffers))])
+        if unencodable:
+            self._c["dropped_unencodable"] += unencodable
+            self._log_unencodable.event(
+                "%s: %d blocks not stored: a value was not finite (encoding %r)",
+                self._where,
+                unencodable,
+                self._encoding,
+            )
         self._c["stored_blocks"] += stored
-        self._c["stored_bytes"] += stored * spec.payload_bytes
+        self._c["stored_bytes"] += stored * self._stored_spec().payload_bytes
         self._c["dropped"] += len(keys) - stored
         return stored, stored_damaged
+
+    def _encode_values(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        bufs: Sequence[bytearray],
+        fingerprint: bytes,
+    ) -> list[int]:
+        """Encode ``payloads[i]`` into the entry ``bufs[i]`` (header + encoded payload; runs in a thread): the
+        indices of the blocks encoded (a block with a value that is not finite is left out: not stored)."""
+        codec = self._codec
+        assert codec is not None
+        kept: list[int] = []
+        for i, (key, payload, buf) in enumerate(zip(keys, payloads, bufs, strict=True)):
+            value = memoryview(buf)
+            try:
+                codec.encode(payload, value[HEADER_SIZE:])
+            except EncodeError:
+                continue
+            value[:HEADER_SIZE] = pack_header(key, fingerprint, value[HEADER_SIZE:])
+            kept.append(i)
+        return kept
 
     def stats(self) -> RedisTierStats:
         breaker = self._breaker
@@ -782,8 +918,25 @@ class RedisTier(BackingTier):
             parts_per_block=split.parts if split is not None else 0,
             server_max_value_bytes=self._server_max_value_bytes,
             last_error=self._last_error,
+            encoding=self._encoding,
             **self._c,
         )
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` (encoding, decoding: CPU work) on the loop's default executor. A cancellation waits for it
+    to finish (it reads or writes the caller's buffers, and a thread cannot be recalled), then is re-raised."""
+    fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait((fut,))
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        fut.exception()  # retrieved: never logged as unhandled
+        raise asyncio.CancelledError
+    return fut.result()
 
 
 def _now() -> float:
