@@ -19,5 +19,7 @@ python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt" || exit 1
 python3 tools/gpu_check.py --device cuda "$@" 2>&1 | tee "$out/gpu_check.log"
 rc=${PIPESTATUS[0]}
+# Where the bandwidth goes (plain copies, the staged store by hand, aiokv's timeline): informational, every run.
+timeout 300 python3 tools/gpu_diag.py 2>&1 | tee "$out/gpu_diag.log"
 cp benchmarks/results/device.json "$out/" 2>/dev/null || true
 exit "$rc"

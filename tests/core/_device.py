@@ -51,9 +51,20 @@ class Harness:
     def fill(self, tensors: list[torch.Tensor], blocks: list[int], value: float, stream: Any = None) -> None:
         """Engine work on ``stream`` (default: compute) writing ``value`` into ``blocks`` of every tensor."""
 
+        # Slices of consecutive blocks, never an index list: on CUDA ``t[[0, 1]] = v`` uploads the list with a
+        # synchronous copy on the compute stream, so the host would wait behind a hold and the work would no
+        # longer be queued behind it (the test would time the host, not the stream order).
+        runs: list[tuple[int, int]] = []
+        for b in sorted(set(blocks)):
+            if runs and runs[-1][1] == b:
+                runs[-1] = (runs[-1][0], b + 1)
+            else:
+                runs.append((b, b + 1))
+
         def write() -> None:
             for t in tensors:
-                t[blocks] = value
+                for lo, hi in runs:
+                    t[lo:hi].fill_(value)
 
         self.launch(self.compute if stream is None else stream, write)
 

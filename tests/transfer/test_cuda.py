@@ -16,7 +16,7 @@ import torch
 import aiokv
 from aiokv.transfer._cuda import CudaDevice, _CudaCopier
 
-pytestmark = [pytest.mark.gpu, pytest.mark.asyncio]
+pytestmark = pytest.mark.gpu
 
 BS = 16
 
@@ -37,6 +37,7 @@ def _blocks(t: torch.Tensor, ids: list[int], block_dim: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_dim", [0, 1])
+@pytest.mark.asyncio
 async def test_round_trip_is_bitwise(dtype: torch.dtype, block_dim: int) -> None:
     kv, layout = _layout(64, dtype, block_dim)
     stream = torch.cuda.Stream()
@@ -67,6 +68,7 @@ async def test_round_trip_is_bitwise(dtype: torch.dtype, block_dim: int) -> None
         await req2.abort()
 
 
+@pytest.mark.asyncio
 async def test_host_buffer_is_registered_in_place_and_released() -> None:
     """40 MiB asked, 40 MiB (rounded down to whole slots) pinned: no power-of-two rounding, no copy."""
     _, layout = _layout(16, torch.float16)
@@ -81,6 +83,7 @@ async def test_host_buffer_is_registered_in_place_and_released() -> None:
     assert not buf.is_pinned()  # unregistered at close
 
 
+@pytest.mark.asyncio
 async def test_unpinned_host_memory_is_refused_for_a_cuda_layout() -> None:
     _, layout = _layout(16, torch.float16)
     with pytest.raises(aiokv.InvalidArgumentError, match="pinned=False cannot serve a cuda layout"):
@@ -98,6 +101,7 @@ def test_completion_events_block_instead_of_spinning() -> None:
     assert ev.blocking  # torch.cuda.Event(blocking=True) -> cudaEventBlockingSync
 
 
+@pytest.mark.asyncio
 async def test_many_concurrent_requests_restore_their_own_blocks() -> None:
     kv, layout = _layout(1024, torch.float16)
     rng = random.Random(0)
