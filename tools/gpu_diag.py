@@ -11,10 +11,10 @@ Prints, each a median over reps, in GB/s of the same 1 GiB:
 - ``staged``: aiokv's store shape done by hand in torch, no aiokv: 1024 scattered blocks of 64 tensors
   gathered into 128 MiB of device staging, then copied to the host, one stream (serial) and two streams
   with two staging halves (the gather of chunk i+1 overlapping the copy of chunk i).
-- ``aiokv``: bench_device's store through the public API, with a timeline: the time from the first step() to
-  the first chunk's submission, the submitter's span, the device's span (CUDA events around every chunk),
-  and the time from the last chunk's completion to the loop seeing the finish; also with the GIL switch
-  interval at 0.5 ms instead of 5 ms.
+- ``aiokv``: a store shaped like bench_device's through the public API, with a timeline from the first
+  step(): steps done, first submission, last chunk queued, the device's span and busy time (CUDA events
+  around every chunk) and the wall until every finish() resolved (wall minus the device span's end is the
+  hand-back to the loop); also with the GIL switch interval at 0.5 ms instead of 5 ms.
 Results also go to ``$OUT/gpu_diag.json``.
 """
 
