@@ -22,7 +22,7 @@ VLLM_PIP := $(VLLM_BIN)/python -m pip --disable-pip-version-check -q
 # on sys.path also makes tests/, tools/ and benchmarks/ importable in these venvs; they are development venvs.
 # tests/test_editable.py checks that mypy finds aiokv from outside the repository.
 EDITABLE := --config-settings editable_mode=compat
-NATIVE_SRC := aiokv/_native/_arc.c aiokv/_native/_copy.c aiokv/_native/_lru.c aiokv/_native/_replay.c aiokv/_native/_sha.c aiokv/_native/_step.c
+NATIVE_SRC := aiokv/_native/_arc.c aiokv/_native/_codec.c aiokv/_native/_copy.c aiokv/_native/_lru.c aiokv/_native/_replay.c aiokv/_native/_sha.c aiokv/_native/_step.c
 
 # The times the recipes print were measured from fresh venvs on a machine with the wheels at hand (a local
 # package index, 2 cores: .venv 140 s, .venv-vllm 314 s); downloading them (torch's CPU wheel alone is 190 MB)
@@ -95,7 +95,7 @@ test-main: $(STAMP)
 # CI's second leg: the main suite again with every native extension off (the Python definitions must pass it
 # alone; the differential tests hold each C path to them) and every loop in asyncio's debug mode
 # (tests/conftest.py: a loop method called from another thread raises, slow callbacks are logged).
-NATIVE_OFF := AIOKV_NATIVE_COPY=0 AIOKV_NATIVE_STEP=0 AIOKV_NATIVE_HASH=0 AIOKV_NATIVE_LRU=0 AIOKV_NATIVE_REPLAY=0
+NATIVE_OFF := AIOKV_NATIVE_CODEC=0 AIOKV_NATIVE_COPY=0 AIOKV_NATIVE_STEP=0 AIOKV_NATIVE_HASH=0 AIOKV_NATIVE_LRU=0 AIOKV_NATIVE_REPLAY=0
 # tests/tiers/test_redis_cluster.py is left out of this leg: its failover and slot-migration tests time real
 # cluster nodes and starve beside tests/vllm (CI runs the two together), and it exercises the protocol, not the
 # native paths (the main suite runs it).

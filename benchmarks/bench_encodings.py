@@ -6,7 +6,12 @@
 2. **Disk throughput**: ``DiskTier.write`` and ``read_into`` of ``--blocks`` llama3-8b-shaped blocks
    (page-cache warm), each encoding against ``raw`` in the same run, alternating ``--repeat`` times; the
    median of the per-pair ratios (encoded / raw GB/s of *engine* bytes moved: what a restore delivers).
-3. **Accuracy** on the reference engine (``aiokv.engine.Transformer``, its real attention math over seeded
+3. **Redis throughput**: ``RedisTier.write`` and ``read_into`` of ``--redis-blocks`` llama3-8b-shaped blocks
+   (a 2048-token prefix by default: a long-prefix restore) against a ``redis-server`` / ``valkey-server``
+   this script starts on a free loopback port (the test extra's wheels ship them) and stops by its PID; each
+   encoding against ``raw`` in the same run, alternating ``--repeat`` times, the median of the per-pair
+   ratios. Target (issue 24): a restore >= 1.5x faster with ``fp8`` than ``raw``.
+4. **Accuracy** on the reference engine (``aiokv.engine.Transformer``, its real attention math over seeded
    weights, ``--dtype``, bf16 by default): a multi-turn workload where each turn's prompt extends the previous turn's context; the
    context's KV is restored from an encoded block (encode then decode, exactly what a tier read gives) and
    the turn is computed over it, against the same turn over the exact KV. Reported: max |delta logit| of
@@ -37,8 +42,9 @@ import _common as common
 import aiokv
 from aiokv.engine import ModelConfig, SeqChunk, Transformer
 from aiokv.tiers._base import TierSpec
-from aiokv.tiers._codec import make_codec, segments_of
+from aiokv.tiers._codec import _native_codec, make_codec, segments_of
 from aiokv.tiers.disk import DiskTier
+from aiokv.tiers.redis import RedisTier
 
 ENCODINGS = ("raw", "fp8", "int8")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -95,6 +101,11 @@ async def throughput(
             await tier.aclose()
             figures[enc]["write"].append(engine_bytes / (t1 - t0) / 1e9)
             figures[enc]["read"].append(engine_bytes / (t2 - t1) / 1e9)
+    return _ratios(figures)
+
+
+def _ratios(figures: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    """Per encoding: the median GB/s of each direction and the median (min, max) of its per-pair ratio to raw."""
     out = {}
     for enc in ENCODINGS:
         row: dict[str, float] = {}
@@ -106,6 +117,55 @@ async def throughput(
             row[f"{what}_x_raw_max"] = max(ratios)
         out[enc] = row
     return out
+
+
+async def redis_throughput(
+    layout: aiokv.KVLayout, root: Path, blocks: int, repeat: int
+) -> dict[str, dict[str, float]] | str:
+    """RedisTier write / read_into of ``blocks`` blocks per encoding (or why it was skipped)."""
+    from tests.tiers._servers import LOOKED_FOR, ServerProcess, default_binary
+
+    binary = default_binary()
+    if binary is None:
+        return f"skipped: no server binary ({LOOKED_FOR['redis']}; {LOOKED_FOR['valkey']})"
+    g = torch.Generator().manual_seed(2)
+    payloads = []
+    for _ in range(blocks):
+        buf = bytearray(layout.slot_bytes)
+        torch.frombuffer(buf, dtype=torch.bfloat16).copy_(torch.randn(layout.slot_bytes // 2, generator=g))
+        payloads.append(memoryview(buf))
+    outs = [memoryview(bytearray(layout.slot_bytes)) for _ in range(blocks)]
+    engine_bytes = blocks * layout.slot_bytes
+    figures: dict[str, dict[str, list[float]]] = {e: {"write": [], "read": []} for e in ENCODINGS}
+    workdir = root / "redis"
+    workdir.mkdir()
+    server = ServerProcess(workdir, binary)
+    server.start()
+    try:
+        tiers = {}
+        for enc in ENCODINGS:
+            tiers[enc] = RedisTier(server.url, namespace=f"bench-{enc}", encoding=enc, timeout_s=60)
+            await tiers[enc].open(spec_of(layout))
+        keys = [hashlib.sha256(f"redis-{i}".encode()).digest() for i in range(blocks)]
+        for _ in range(repeat):
+            for enc in ENCODINGS:
+                tier = tiers[enc]
+                t0 = time.perf_counter()
+                assert await tier.write(keys, payloads) == blocks
+                t1 = time.perf_counter()
+                assert await tier.read_into(keys, outs) == blocks
+                t2 = time.perf_counter()
+                figures[enc]["write"].append(engine_bytes / (t1 - t0) / 1e9)
+                figures[enc]["read"].append(engine_bytes / (t2 - t1) / 1e9)
+        for enc, tier in tiers.items():
+            st = tier.stats()
+            assert st.errors == st.timeouts == st.corrupt == 0, (enc, st)
+            await tier.aclose()
+    finally:
+        server.stop()
+    out: dict[str, object] = dict(_ratios(figures))
+    out["server"] = binary.name()
+    return out  # type: ignore[return-value]
 
 
 def _round_trip(
@@ -220,13 +280,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         root = Path(tmp)
         cap = await capacity(layout, root)
         tp = await throughput(layout, root, args.blocks, args.repeat)
+        red = await redis_throughput(layout, root, args.redis_blocks, args.repeat)
     acc = accuracy(args.turns, args.prompt, args.gen, args.seed, DTYPES[args.dtype])
-    return {"capacity": cap, "disk": tp, "accuracy": acc}
+    return {
+        "capacity": cap,
+        "disk": tp,
+        "redis": red,
+        "accuracy": acc,
+        "native_codec": _native_codec is not None,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=64, help="blocks per disk write/read (2 MiB each raw)")
+    ap.add_argument("--redis-blocks", type=int, default=128, help="blocks per Redis write/read (2048 tokens)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=96)
@@ -236,7 +304,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="16 blocks, 2 repeats, 2 turns, 8 generated tokens")
     args = ap.parse_args()
     if args.quick:
-        args.blocks, args.repeat, args.turns, args.gen = 16, 2, 2, 8
+        args.blocks, args.redis_blocks, args.repeat, args.turns, args.gen = 16, 16, 2, 2, 8
     res = asyncio.run(main_async(args))
     cap, tp, acc = res["capacity"], res["disk"], res["accuracy"]
     common.print_table(
@@ -264,8 +332,29 @@ def main() -> int:
             ]
             for e in ENCODINGS
         ],
-        f"median of {args.repeat} alternating repetitions (range); {args.blocks} blocks per call",
+        f"median of {args.repeat} alternating repetitions (range); {args.blocks} blocks per call; codec in "
+        f"{'C' if res['native_codec'] else 'torch (AIOKV_NATIVE_CODEC=0 or not built)'}",
     )
+    red = res["redis"]
+    if isinstance(red, str):
+        print(f"\nencodings: Redis tier {red}")
+    else:
+        common.print_table(
+            "encodings: Redis tier throughput (loopback, engine bytes; target: fp8 restore >= 1.5x raw)",
+            ["encoding", "write GB/s", "write x raw", "restore GB/s", "restore x raw"],
+            [
+                [
+                    e,
+                    f"{red[e]['write_gbps']:.2f}",  # type: ignore[index]
+                    f"{red[e]['write_x_raw']:.2f} ({red[e]['write_x_raw_min']:.2f}-{red[e]['write_x_raw_max']:.2f})",  # type: ignore[index]
+                    f"{red[e]['read_gbps']:.2f}",  # type: ignore[index]
+                    f"{red[e]['read_x_raw']:.2f} ({red[e]['read_x_raw_min']:.2f}-{red[e]['read_x_raw_max']:.2f})",  # type: ignore[index]
+                ]
+                for e in ENCODINGS
+            ],
+            f"{red['server']}; median of {args.repeat} alternating repetitions (range); {args.redis_blocks} "
+            "blocks of 2 MiB per call",
+        )
     common.print_table(
         f"encodings: accuracy of restored turns on the reference engine ({args.dtype}, seeded weights)",
         ["encoding", "max |d logit|", "rel. to logit spread", "greedy agreement min", "mean"],

@@ -18,11 +18,12 @@ Contract for implementations:
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import InvalidArgumentError
 from .._hashing import _canon
@@ -135,3 +136,19 @@ def check_buffers(name: str, keys: Sequence[bytes], bufs: Sequence[memoryview], 
             )
         if not buf.c_contiguous:
             raise InvalidArgumentError(f"{name}[{i}] must be a C-contiguous buffer")
+
+
+_T = TypeVar("_T")
+
+
+async def wait_thread(fut: asyncio.Future[_T]) -> tuple[asyncio.Future[_T], bool]:
+    """Wait for a worker-thread job even if the caller is cancelled meanwhile: the thread cannot be recalled
+    and may still be reading or writing the caller's buffers. Returns the future and whether a cancellation
+    arrived (the caller finishes its bookkeeping, then re-raises it). Used by the disk and Redis tiers."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait((fut,))
+        except asyncio.CancelledError:
+            cancelled = True
+    return fut, cancelled

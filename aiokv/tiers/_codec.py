@@ -16,13 +16,16 @@ parameters are mixed into the fingerprint a tier writes into every entry's heade
 (:meth:`Codec.fingerprint`), so entries written with another encoding (or by another layout) are foreign,
 never decoded into this one. A block whose values are not all finite is not encoded (:class:`EncodeError`:
 the tier skips it, a miss later); an entry whose scales are not finite and positive does not decode
-(:class:`DecodeError`: a miss). Encoding and decoding run in the tiers' I/O threads (torch releases the GIL).
+(:class:`DecodeError`: a miss). Encoding and decoding run in the tiers' I/O threads, in C with the GIL
+released (``aiokv/_native/_codec.c``: one pass per block, byte for byte what the torch definitions here
+compute), or in torch when the extension is not built or ``AIOKV_NATIVE_CODEC=0``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,14 @@ import numpy as np
 import torch
 
 from .._errors import InvalidArgumentError
+from ._base import TierSpec
+
+try:
+    from .._native import _codec as _native_codec
+except ImportError:  # pragma: no cover - built without a C compiler
+    _native_codec = None  # type: ignore[assignment]
+if os.environ.get("AIOKV_NATIVE_CODEC", "1") == "0":  # torch only (to compare, or to rule the C path out)
+    _native_codec = None  # type: ignore[assignment]
 
 __all__ = [
     "ENCODINGS",
@@ -55,6 +66,8 @@ _FP8_TABLE = (
     else np.zeros(256, np.float32)
 )
 _SCALE_BYTES = 4  # float32
+# The dtype codes of aiokv/_native/_codec.c's plan records (-1: a part stored as it is).
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 class EncodeError(ValueError):
@@ -169,9 +182,29 @@ class Codec:
         self._qdtype: torch.dtype
         if encoding == "fp8":
             assert _FP8 is not None  # check_encoding refuses fp8 without it
-            self._qdtype, self._qmax = _FP8, 448.0
+            self._qdtype, self._qmax, self._kind = _FP8, 448.0, 0
         else:
-            self._qdtype, self._qmax = torch.int8, 127.0
+            self._qdtype, self._qmax, self._kind = torch.int8, 127.0, 1
+        # The parts as aiokv/_native/_codec.c's int64 records: slot_offset, enc_offset, count, rows, groups,
+        # elems, dtype code (-1: stored as it is), nbytes.
+        self._plan = np.array(
+            [
+                (
+                    p.spec.offset,
+                    p.enc_offset,
+                    p.spec.count,
+                    p.rows,
+                    p.groups,
+                    p.elems,
+                    _DTYPE_CODES[p.spec.dtype] if p.quantized else -1,
+                    p.spec.nbytes,
+                )
+                for p in parts
+            ],
+            dtype=np.int64,
+        ).tobytes()
+        self.native = _native_codec is not None
+        """Whether this codec runs in C (``aiokv/_native/_codec.c``) rather than torch."""
         desc = ";".join(
             f"{p.spec.offset}:{p.spec.count}x{list(p.spec.inner_shape)}:{p.spec.dtype}" for p in parts
         )
@@ -184,8 +217,27 @@ class Codec:
         """The 32-byte fingerprint of entries of ``base``'s layout in this encoding."""
         return hashlib.sha256(base + b"|" + self.tag).digest()
 
+    def stored_spec(self, spec: TierSpec) -> TierSpec:
+        """What a tier stores for blocks of ``spec`` in this encoding: the encoded payload, under the
+        encoding's own fingerprint (entries of another encoding, or raw, are another layout to the tier:
+        never decoded)."""
+        return TierSpec(
+            payload_bytes=self.encoded_bytes,
+            fingerprint=self.fingerprint(spec.fingerprint),
+            block_size=spec.block_size,
+            description=f"{spec.description} (encoding {self.encoding})",
+            segments=spec.segments,
+        )
+
     def encode(self, src: Any, dst: Any) -> None:
         """Encode the slot ``src`` into ``dst``; :class:`EncodeError` when a value is not finite."""
+        if self.native:
+            if _native_codec.encode(self._plan, src, dst, self._kind):
+                raise EncodeError("a value of the block is not finite")
+            return
+        self._encode_torch(src, dst)
+
+    def _encode_torch(self, src: Any, dst: Any) -> None:
         s = torch.frombuffer(_writable(src), dtype=torch.uint8)
         d = torch.frombuffer(dst, dtype=torch.uint8)
         for part in self._parts:
@@ -210,6 +262,13 @@ class Codec:
 
     def decode(self, src: Any, dst: Any) -> None:
         """Decode the entry payload ``src`` into the slot ``dst``; :class:`DecodeError` when it is not one."""
+        if self.native:
+            if _native_codec.decode(self._plan, src, dst, self._kind):
+                raise DecodeError("an entry's scales are not finite and positive")
+            return
+        self._decode_torch(src, dst)
+
+    def _decode_torch(self, src: Any, dst: Any) -> None:
         s = torch.frombuffer(_writable(src), dtype=torch.uint8)
         d = torch.frombuffer(dst, dtype=torch.uint8)
         for part in self._parts:

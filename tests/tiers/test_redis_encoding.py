@@ -458,3 +458,84 @@ async def test_an_encoding_without_the_layouts_shapes_is_refused_at_open(
     raw = await _open(redis_server.url, namespace, TierSpec(4096, entries.FP, BS, "hand-made"))
     assert raw.stats().encoding == "raw"
     await raw.aclose()
+
+
+# ------------------------------------------------------------------------ decoding overlaps the next transfer
+
+
+def _left_over_tasks() -> set[asyncio.Task[Any]]:
+    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()}
+
+
+@pytest.mark.asyncio
+async def test_a_read_of_many_round_trips_prefetches_and_stops_at_a_miss(
+    redis_server: Any, namespace: str, client: aioredis.Redis
+) -> None:
+    """Two blocks per round trip: while a chunk decodes, the next one is fetched. Every block comes back as
+    the codec decodes it; a read that stops at a missing block returns no more than the blocks before it
+    and leaves no prefetch running."""
+    eng = Engine(torch.bfloat16)
+    codec = eng.codec("fp8")
+    tier = await _open(
+        redis_server.url,
+        namespace,
+        eng.spec(),
+        encoding="fp8",
+        max_batch_bytes=2 * (HEADER_SIZE + codec.encoded_bytes),
+    )
+    try:
+        keys = entries.keys(7)
+        slots = [eng.slot(b % 8) for b in range(7)]
+        assert await tier.write(keys, slots) == 7
+        outs = eng.outs(7)
+        assert await tier.read_into(keys, outs) == 7
+        for slot, out in zip(slots, outs, strict=True):
+            enc = bytearray(codec.encoded_bytes)
+            codec.encode(slot, memoryview(enc))
+            expected = bytearray(eng.layout.slot_bytes)
+            codec.decode(enc, memoryview(expected))
+            assert bytes(out) == bytes(expected)
+        for rkey in tier.redis_keys(keys[3]):
+            await client.delete(rkey)
+        assert await tier.read_into(keys, eng.outs(7)) == 3  # chunk [2, 3]: block 3 missing
+        assert not _left_over_tasks()
+        stats = tier.stats()
+        assert (stats.corrupt, stats.errors, stats.read_misses) == (0, 0, 1)
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_read_cancelled_while_decoding_with_a_prefetch_in_flight_leaves_nothing_running(
+    redis_server: Any, namespace: str
+) -> None:
+    eng = Engine(torch.bfloat16)
+    codec_bytes = eng.codec("fp8").encoded_bytes
+    tier = await _open(
+        redis_server.url, namespace, eng.spec(), encoding="fp8", max_batch_bytes=HEADER_SIZE + codec_bytes
+    )
+    try:
+        keys = entries.keys(4)
+        assert await tier.write(keys, [eng.slot(b) for b in range(4)]) == 4
+        codec = tier._codec
+        assert codec is not None
+        started, release, finished = threading.Event(), threading.Event(), threading.Event()
+        decode = codec.decode
+
+        def held(src: Any, dst: Any) -> None:
+            started.set()
+            release.wait(10.0)
+            decode(src, dst)
+            finished.set()
+
+        codec.decode = held
+        task = asyncio.ensure_future(tier.read_into(keys, eng.outs(4)))
+        assert await asyncio.to_thread(started.wait, 10.0)  # the first block decodes; the second is fetched
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert finished.is_set()
+        assert not _left_over_tasks()
+    finally:
+        await tier.aclose()

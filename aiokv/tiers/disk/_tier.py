@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from ..._errors import CapacityError, ClosedError, InvalidArgumentError, InvalidTypeError
 from ..._log import Throttled, Transitions, get_logger
 from .._base import BackingTier, TierSpec, check_buffers
+from .._base import wait_thread as _wait_thread
 from .._catalog import CatalogStats, Reservation, SharedCatalog
 from .._codec import Codec, DecodeError, EncodeError, check_encoding, make_codec
 from .._format import Damage, TierHealth, Verdict, check_damage, fold_damage
@@ -98,19 +99,6 @@ class DiskTierStats:
         "raw"  # how blocks are stored (DiskTier(encoding=...)); read/stored bytes are encoded bytes
     )
     dropped_unencodable: int = 0  # blocks not stored: a value was not finite (lossy encodings only)
-
-
-async def _wait_thread(fut: asyncio.Future[T]) -> tuple[asyncio.Future[T], bool]:
-    """Wait for a worker-thread job even if the caller is cancelled meanwhile: the thread cannot be recalled
-    and may still be reading or writing the caller's buffers. Returns the future and whether a cancellation
-    arrived (the caller finishes its bookkeeping, then re-raises it)."""
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.wait((fut,))
-        except asyncio.CancelledError:
-            cancelled = True
-    return fut, cancelled
 
 
 @dataclass(slots=True)
@@ -290,16 +278,8 @@ class DiskTier(BackingTier):
             raise InvalidArgumentError(f"spec.fingerprint must be 32 bytes, got {len(spec.fingerprint)}")
         block_bytes = spec.payload_bytes
         codec = make_codec(self.encoding, spec.segments, block_bytes)
-        if codec is not None:
-            # The files hold encoded entries under the encoding's own fingerprint: a directory written with
-            # another encoding (or raw) is another layout to it, started fresh, never decoded.
-            spec = TierSpec(
-                payload_bytes=codec.encoded_bytes,
-                fingerprint=codec.fingerprint(spec.fingerprint),
-                block_size=spec.block_size,
-                description=f"{spec.description} (encoding {self.encoding})",
-                segments=spec.segments,
-            )
+        if codec is not None:  # a directory written with another encoding (or raw) is then started fresh
+            spec = codec.stored_spec(spec)
         geo = _Geometry(spec.payload_bytes, self.capacity_bytes, self._segment_bytes)
         if geo.num_slots == 0:
             raise CapacityError(

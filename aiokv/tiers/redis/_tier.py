@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..._errors import ClosedError, InvalidArgumentError, InvalidTypeError, MissingDependencyError
 from ..._log import Throttled, Transitions, get_logger
-from .._base import BackingTier, TierSpec, check_buffers
+from .._base import BackingTier, TierSpec, check_buffers, wait_thread
 from .._codec import Codec, DecodeError, EncodeError, check_encoding, make_codec
 from .._format import HEADER_SIZE, Damage, TierHealth, Verdict, check_damage, fold_damage, pack_header
 from .._health import Breaker
@@ -271,17 +271,8 @@ class RedisTier(BackingTier):
         if len(spec.fingerprint) != 32:
             raise InvalidArgumentError(f"spec.fingerprint must be 32 bytes, got {len(spec.fingerprint)}")
         codec = make_codec(self._encoding, spec.segments, spec.payload_bytes)
-        stored = spec
-        if codec is not None:
-            # Entries hold the encoded payload under the encoding's own fingerprint, in keys of their own:
-            # values of another encoding (or raw) are another layout to this tier, never decoded.
-            stored = TierSpec(
-                payload_bytes=codec.encoded_bytes,
-                fingerprint=codec.fingerprint(spec.fingerprint),
-                block_size=spec.block_size,
-                description=f"{spec.description} (encoding {self._encoding})",
-                segments=spec.segments,
-            )
+        # Entries hold the encoded payload in keys of their own (the prefix holds the stored fingerprint).
+        stored = spec if codec is None else codec.stored_spec(spec)
         self._spec = spec
         self._stored = stored
         self._codec = codec
@@ -672,58 +663,79 @@ class RedisTier(BackingTier):
         step = self._batch_len()
         per = self._parts().parts
         done = 0
-        while done < len(keys):
-            chunk = keys[done : done + step]
+
+        async def fetch(chunk: Sequence[bytes]) -> list[Any] | _Failed:
             commands = [
                 ("GET", rkey) if ttl is None else ("GETEX", rkey, "PX", ttl)
                 for key in chunk
                 for rkey in self.redis_keys(key)
             ]
 
-            async def op(
-                client: Redis | RedisCluster, commands: list[tuple[Any, ...]] = commands
-            ) -> list[Any]:
+            async def op(client: Redis | RedisCluster) -> list[Any]:
                 return await self._pipeline(client, commands)
 
-            values = await self._call(op, deadline, check=_first_unavailable)
-            if isinstance(values, _Failed):
-                break
-            verdicts: Iterable[Verdict | None]
-            if self._codec is None:  # verified block by block, up to the first that is not OK
-                verdicts = (
-                    self._assemble(key, values[j * per : (j + 1) * per], outs[done + j])
-                    for j, key in enumerate(chunk)
-                )
-            else:  # verified and decoded in a thread, up to the first that is not OK
-                started = _now()
-                verdicts = await _off_loop(self._decode_values, chunk, values, outs[done : done + len(chunk)])
-                deadline += _now() - started  # timeout_s bounds the round trips, not the decoding
-            corrupt: bytes | None = None
-            accepted = 0
-            for j, (key, verdict) in enumerate(zip(chunk, verdicts, strict=False)):
-                if verdict is None:  # absent, or its node could not serve it: a miss
-                    if self.kv_events is not None and None in values[j * per : (j + 1) * per]:
-                        self.kv_events.removed([key])  # gone from the server (expired, evicted)
+            return await self._call(op, deadline, check=_first_unavailable)
+
+        # Encoded blocks are decoded in a thread (the C codec releases the GIL): meanwhile the next chunk's
+        # round trip runs on the loop, so decoding overlaps the transfer. A prefetch not needed (the read
+        # stopped at a miss or a corrupt entry) is cancelled and awaited before returning.
+        prefetch: asyncio.Task[list[Any] | _Failed] | None = None
+        try:
+            while done < len(keys):
+                chunk = keys[done : done + step]
+                if prefetch is not None:
+                    values = await prefetch
+                    prefetch = None
+                else:
+                    values = await fetch(chunk)
+                if isinstance(values, _Failed):
                     break
-                if verdict is not Verdict.OK:
-                    self._c["corrupt"] += 1
-                    self._log_corrupt.event(
-                        "%s: value of %s failed verification (%s), deleted; a miss, its blocks are recomputed "
-                        "(if this repeats: something else writes keys of this namespace)",
-                        self._where,
-                        key.hex()[:16],
-                        verdict.value,
+                verdicts: Iterable[Verdict | None]
+                if self._codec is None:  # verified block by block, up to the first that is not OK
+                    verdicts = (
+                        self._assemble(key, values[j * per : (j + 1) * per], outs[done + j])
+                        for j, key in enumerate(chunk)
                     )
-                    corrupt = key
+                else:  # verified and decoded in a thread, up to the first that is not OK
+                    after = done + len(chunk)
+                    if after < len(keys):
+                        prefetch = asyncio.ensure_future(fetch(keys[after : after + step]))
+                    started = _now()
+                    verdicts = await _off_loop(
+                        self._decode_values, chunk, values, outs[done : done + len(chunk)]
+                    )
+                    if prefetch is None:
+                        deadline += _now() - started  # timeout_s bounds the round trips, not the decoding
+                corrupt: bytes | None = None
+                accepted = 0
+                for j, (key, verdict) in enumerate(zip(chunk, verdicts, strict=False)):
+                    if verdict is None:  # absent, or its node could not serve it: a miss
+                        if self.kv_events is not None and None in values[j * per : (j + 1) * per]:
+                            self.kv_events.removed([key])  # gone from the server (expired, evicted)
+                        break
+                    if verdict is not Verdict.OK:
+                        self._c["corrupt"] += 1
+                        self._log_corrupt.event(
+                            "%s: value of %s failed verification (%s), deleted; a miss, its blocks are "
+                            "recomputed (if this repeats: something else writes keys of this namespace)",
+                            self._where,
+                            key.hex()[:16],
+                            verdict.value,
+                        )
+                        corrupt = key
+                        break
+                    accepted += 1
+                done += accepted
+                if corrupt is not None:
+                    if self.kv_events is not None:
+                        self.kv_events.removed([corrupt])
+                    await self._delete(self.redis_keys(corrupt), deadline)
+                if accepted < len(chunk):
                     break
-                accepted += 1
-            done += accepted
-            if corrupt is not None:
-                if self.kv_events is not None:
-                    self.kv_events.removed([corrupt])
-                await self._delete(self.redis_keys(corrupt), deadline)
-            if accepted < len(chunk):
-                break
+        finally:
+            if prefetch is not None:
+                prefetch.cancel()
+                await asyncio.gather(prefetch, return_exceptions=True)
         if done < len(keys):
             self._c["read_misses"] += 1
         self._c["read_blocks"] += done
@@ -926,13 +938,9 @@ class RedisTier(BackingTier):
 async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` (encoding, decoding: CPU work) on the loop's default executor. A cancellation waits for it
     to finish (it reads or writes the caller's buffers, and a thread cannot be recalled), then is re-raised."""
-    fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.wait((fut,))
-        except asyncio.CancelledError:
-            cancelled = True
+    fut, cancelled = await wait_thread(
+        asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+    )
     if cancelled:
         fut.exception()  # retrieved: never logged as unhandled
         raise asyncio.CancelledError
