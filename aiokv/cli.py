@@ -28,7 +28,7 @@ from ._units import parse_assignments as _parse_assignments
 from ._version import __version__
 
 if TYPE_CHECKING:
-    from .replay import CostModel, KVGroups, ReplayResult, TierConfig, Trace
+    from .replay import CostModel, KVGroups, ModelPreset, ReplayResult, TierConfig, Trace
 
 __all__ = ["main"]
 
@@ -146,7 +146,13 @@ def _add_replay(sub: Any) -> None:
     )
     p.add_argument("trace", metavar="TRACE")
     p.add_argument(
-        "--tiers", default="cpu=64GiB", help="tiers fastest first, NAME=SIZE,... (default: %(default)s)"
+        "--tiers",
+        action="append",
+        default=None,
+        metavar="NAME=SIZE[:encoding=ENC],...",
+        help="tiers fastest first, NAME=SIZE,... (default: cpu=64GiB); a disk or redis tier may end in "
+        ":encoding=raw|fp8|int8 to be sized as the real tier in that encoding (disk=PATH:SIZE is accepted, the "
+        "path ignored); give --tiers more than once to compare configurations, e.g. encodings, in one run",
     )
     p.add_argument("--policy", default="lru", help="eviction policy, or a comma-separated list to compare")
     p.add_argument(
@@ -232,7 +238,7 @@ class _ReplayPlan:
     """What ``aiokv replay`` runs, derived from validated options before the trace is read."""
 
     policies: list[str]
-    tiers: list[TierConfig]
+    tier_sets: list[list[TierConfig]]  # one per --tiers, each replayed (and swept) in turn
     sweep_tier: str
     sweep_sizes: list[int | None] | None  # None: auto, from the trace's footprint
     kv_bytes_per_token: int
@@ -242,6 +248,16 @@ class _ReplayPlan:
     have_rich: bool
     groups: KVGroups | None = None
     target: float | None = None
+    model: ModelPreset | None = None  # the KV shape, when known (--model without --kv-bytes-per-token)
+
+    @property
+    def tiers(self) -> list[TierConfig]:
+        """Every tier of the tier sets, once by name (the first set's first)."""
+        seen: dict[str, TierConfig] = {}
+        for tiers in self.tier_sets:
+            for t in tiers:
+                seen.setdefault(t.name, t)
+        return list(seen.values())
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -303,26 +319,73 @@ def _parse_policies(text: str) -> list[str]:
     return policies
 
 
-def _parse_tiers(tiers_text: str, bandwidth_text: str | None) -> list[TierConfig]:
-    from .replay import TierConfig, parse_bandwidth, parse_size
+_ENCODING_SUFFIX = re.compile(r"^(?P<rest>.*):encoding=(?P<encoding>[^:]*)$")  # as aiokv.tiers._settings
+
+
+def _parse_tier(name: str, value: str, bandwidth: float | None) -> TierConfig:
+    """One ``--tiers`` entry: ``NAME=SIZE``, ``NAME=SIZE:encoding=ENC`` or, for disk, ``disk=PATH:SIZE[...]``
+    (the form ``aiokv serve`` takes; the replay reads and writes no file, so the path is not used)."""
+    from .replay import TierConfig, parse_size
+
+    if not _TIER_NAME.fullmatch(name):
+        raise InvalidArgumentError(f"tier name must be letters, digits, '_', '-' or '.', got {name!r}")
+    encoding = None
+    suffix = _ENCODING_SUFFIX.match(value)
+    if suffix is not None:
+        value, encoding = suffix["rest"], suffix["encoding"]
+    if name == "disk" and ":" in value:
+        path, _, size = value.rpartition(":")
+        if not path:
+            raise InvalidArgumentError(f"disk tier must look like disk=SIZE or disk=PATH:SIZE, got {value!r}")
+        value = size
+    return TierConfig(
+        name, parse_size(value, what=f"capacity of tier {name!r}"), bandwidth, encoding=encoding
+    )
+
+
+def _parse_tiers(tiers_texts: Sequence[str], bandwidth_text: str | None) -> list[list[TierConfig]]:
+    """Every ``--tiers`` (each a tier set, replayed in turn) with the ``--bandwidth`` of its tiers."""
+    from .replay import parse_bandwidth
 
     bandwidths: dict[str, float] = {}
     if bandwidth_text is not None:
         for name, value in _parse_assignments(bandwidth_text, "bandwidth"):
             bandwidths[name] = parse_bandwidth(value, what=f"bandwidth of tier {name!r}")
-    tiers: list[TierConfig] = []
-    for name, value in _parse_assignments(tiers_text, "tiers"):
-        if not _TIER_NAME.fullmatch(name):
-            raise InvalidArgumentError(f"tier name must be letters, digits, '_', '-' or '.', got {name!r}")
-        tiers.append(
-            TierConfig(name, parse_size(value, what=f"capacity of tier {name!r}"), bandwidths.get(name))
-        )
-    unknown = set(bandwidths) - {t.name for t in tiers}
+    tier_sets: list[list[TierConfig]] = []
+    for text in tiers_texts:
+        tiers = [_parse_tier(n, v, bandwidths.get(n)) for n, v in _parse_assignments(text, "tiers")]
+        if tiers in tier_sets:
+            raise InvalidArgumentError(f"tiers must differ when given more than once, got {text!r} twice")
+        tier_sets.append(tiers)
+    unknown = set(bandwidths) - {t.name for tiers in tier_sets for t in tiers}
     if unknown:
         raise InvalidArgumentError(f"bandwidth names tiers that are not in --tiers: {sorted(unknown)}")
-    for t in tiers:
-        t.resolved_bandwidth()
-    return tiers
+    for tiers in tier_sets:
+        for t in tiers:
+            t.resolved_bandwidth()
+    return tier_sets
+
+
+def _check_encodings(args: argparse.Namespace, tier_sets: Sequence[Sequence[TierConfig]]) -> None:
+    """Refuse, in the command line's terms, an encoding the replay cannot size: with --kv-groups (the tiers
+    store units raw) or with --kv-bytes-per-token (no KV shape)."""
+    from .replay import COST_PRESETS
+
+    for t in (t for tiers in tier_sets for t in tiers):
+        if t.encoding in (None, "raw"):
+            continue
+        if args.kv_groups is not None:
+            raise InvalidArgumentError(
+                f"encoding of tier {t.name!r} must be raw with --kv-groups, got {t.encoding!r}: the real tiers "
+                "store a grouped layout's units raw (make_codec refuses encodings for KVLayout.from_groups "
+                "layouts)"
+            )
+        if args.kv_bytes_per_token is not None:
+            raise InvalidArgumentError(
+                f"encoding of tier {t.name!r} must be raw with --kv-bytes-per-token, got {t.encoding!r}: an "
+                "encoded block's size depends on the model's layers, KV heads, head dim and dtype, which "
+                f"--kv-bytes-per-token does not give; use --model ({', '.join(sorted(COST_PRESETS))}) instead"
+            )
 
 
 def _parse_sweep(text: str, tiers: Sequence[TierConfig]) -> tuple[str, list[int | None] | None]:
@@ -376,7 +439,9 @@ def _check_output(args: argparse.Namespace) -> bool:
 
 def _plan_replay(args: argparse.Namespace) -> _ReplayPlan:
     """Validate every option (nothing is read or replayed yet)."""
-    from .replay import COST_PRESETS, CostModel, TierConfig
+    from dataclasses import replace
+
+    from .replay import COST_PRESETS, CostModel
     from .replay._sim import check_capacity
 
     have_rich = _check_output(args)
@@ -398,13 +463,30 @@ def _plan_replay(args: argparse.Namespace) -> _ReplayPlan:
             speed = preset.prefill_tokens_per_s
         kv = groups.plan(args.block_tokens).kv_bytes_per_token
     target = None if args.target_hit_rate is None else _parse_target(args.target_hit_rate)
-    tiers = _parse_tiers(args.tiers, args.bandwidth)
-    sweep_tier, sweep_sizes = tiers[0].name, None
-    if args.sweep is not None:
-        sweep_tier, sweep_sizes = _parse_sweep(args.sweep, tiers)
-    fixed = [t for t in tiers if args.sweep is None or t.name != sweep_tier]
-    for t in fixed + [TierConfig(sweep_tier, size) for size in sweep_sizes or ()]:
-        check_capacity(t, block_tokens=args.block_tokens, kv_bytes_per_token=kv, groups=groups)
+    tier_sets = _parse_tiers(args.tiers or ["cpu=64GiB"], args.bandwidth)
+    _check_encodings(args, tier_sets)
+    # The KV shape sizes encoded blocks: the preset's, unless --kv-bytes-per-token or --kv-groups replace it.
+    shape = model if args.kv_bytes_per_token is None and groups is None else None
+    sweep_tier, sweep_sizes = tier_sets[0][0].name, None
+    for tiers in tier_sets:
+        if tiers[0].name != tier_sets[0][0].name:
+            raise InvalidArgumentError(
+                "tiers must start with the same tier when given more than once, got "
+                f"{tier_sets[0][0].name!r} and {tiers[0].name!r}"
+            )
+        if args.sweep is not None:  # the same tier in every set (the first, or one each of them names)
+            sweep_tier, sweep_sizes = _parse_sweep(args.sweep, tiers)
+        fixed = [t for t in tiers if args.sweep is None or t.name != sweep_tier]
+        swept = [
+            replace(t, capacity_bytes=size)
+            for t in tiers
+            if t.name == sweep_tier
+            for size in sweep_sizes or ()
+        ]
+        for t in fixed + swept:
+            check_capacity(
+                t, block_tokens=args.block_tokens, kv_bytes_per_token=kv, groups=groups, model=shape
+            )
     if groups is not None:
         model_desc = f"groups {groups.name}"
     elif args.kv_bytes_per_token is None:
@@ -413,7 +495,7 @@ def _plan_replay(args: argparse.Namespace) -> _ReplayPlan:
         model_desc = f"{kv} KV bytes/token"
     return _ReplayPlan(
         policies=policies,
-        tiers=tiers,
+        tier_sets=tier_sets,
         sweep_tier=sweep_tier,
         sweep_sizes=sweep_sizes,
         kv_bytes_per_token=kv,
@@ -423,6 +505,7 @@ def _plan_replay(args: argparse.Namespace) -> _ReplayPlan:
         have_rich=have_rich,
         groups=groups,
         target=target,
+        model=shape,
     )
 
 
@@ -446,34 +529,54 @@ def _load_trace(args: argparse.Namespace) -> Trace:
 
 
 def _execute(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace) -> list[ReplayResult]:
-    """One replay per (policy, capacity), under a progress bar on stderr unless ``--no-progress``."""
+    """One replay per (tier set, policy, capacity), under a progress bar on stderr unless ``--no-progress``."""
     from .replay import auto_capacities, sweep
+    from .replay._encoding import tier_sizing
 
     block_bytes = trace.block_tokens * plan.kv_bytes_per_token
     if plan.groups is not None:
         gp = plan.groups.plan(trace.block_tokens)
         block_bytes = gp.units * gp.unit_bytes
-    capacities: list[int | None]
-    if args.sweep is None:
-        capacities = [next(t.capacity_bytes for t in plan.tiers if t.name == plan.sweep_tier)]
-    elif plan.sweep_sizes is None:
-        capacities = list(auto_capacities(trace, block_bytes))
-    else:
-        capacities = plan.sweep_sizes
+
+    # --sweep TIER=auto: the same capacities for every tier set (in engine bytes: comparable), each holding at
+    # least one block in every set's encoding of the tier (an entry: header, padding).
+    at_least = 0
+    for tiers in plan.tier_sets if plan.sweep_sizes is None else ():
+        t = next(t for t in tiers if t.name == plan.sweep_tier)
+        slot = block_bytes if plan.groups is None else gp.unit_bytes
+        sizing = tier_sizing(
+            t.name,
+            t.encoding,
+            slot,
+            block_tokens=trace.block_tokens,
+            model=plan.model,
+            grouped=plan.groups is not None,
+        )
+        at_least = max(at_least, sizing.entry_bytes * (1 if plan.groups is None else gp.units))
+    auto = list(auto_capacities(trace, block_bytes, at_least=at_least))
+
+    def capacities(tiers: Sequence[TierConfig]) -> list[int | None]:
+        if args.sweep is None:
+            return [next(t.capacity_bytes for t in tiers if t.name == plan.sweep_tier)]
+        return list(auto) if plan.sweep_sizes is None else plan.sweep_sizes
 
     def run(progress: Callable[[int], None] | None) -> list[ReplayResult]:
-        return sweep(
-            trace,
-            plan.tiers,
-            policies=plan.policies,
-            sweep_tier=plan.sweep_tier,
-            capacities=capacities,
-            kv_bytes_per_token=plan.kv_bytes_per_token if plan.groups is None else None,
-            groups=plan.groups,
-            cost=plan.cost,
-            inflight=args.inflight,
-            progress=progress,
-        )
+        results: list[ReplayResult] = []
+        for tiers in plan.tier_sets:
+            results += sweep(
+                trace,
+                tiers,
+                policies=plan.policies,
+                sweep_tier=plan.sweep_tier,
+                capacities=capacities(tiers),
+                kv_bytes_per_token=plan.kv_bytes_per_token if plan.groups is None else None,
+                groups=plan.groups,
+                model=plan.model,
+                cost=plan.cost,
+                inflight=args.inflight,
+                progress=progress,
+            )
+        return results
 
     if not plan.have_rich or args.no_progress:
         return run(None)
@@ -481,6 +584,7 @@ def _execute(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace) -> list[
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    runs = len(plan.policies) * sum(len(capacities(tiers)) for tiers in plan.tier_sets)
     with Progress(
         TextColumn("replaying {task.description}"),
         BarColumn(),
@@ -490,7 +594,7 @@ def _execute(args: argparse.Namespace, plan: _ReplayPlan, trace: Trace) -> list[
         console=Console(stderr=True),
         transient=True,
     ) as bar:
-        task = bar.add_task(escape(trace.name), total=trace.block_refs * len(plan.policies) * len(capacities))
+        task = bar.add_task(escape(trace.name), total=trace.block_refs * runs)
         return run(lambda n: bar.advance(task, n))
 
 
@@ -519,7 +623,10 @@ def _extras(
                 as_full.append(
                     replay(
                         trace,
-                        [TierConfig(t.name, t.capacity_bytes, t.bandwidth, t.policy) for t in r.tiers],
+                        [
+                            TierConfig(t.name, t.capacity_bytes, t.bandwidth, t.policy, encoding=t.encoding)
+                            for t in r.tiers
+                        ],
                         policy=r.tiers[0].policy,
                         groups=full,
                         cost=plan.cost,
@@ -531,32 +638,36 @@ def _extras(
     targets: list[dict[str, Any]] = []
     if plan.target is not None:
         kv = plan.kv_bytes_per_token if plan.groups is None else None
-        for pol in plan.policies:
-            entry: dict[str, Any] = {"policy": pol, "tier": plan.sweep_tier, "target": plan.target}
-            for key, groups in (("groups", plan.groups), ("as_full", full)):
-                if key == "as_full" and groups is None:
-                    continue
-                cap, r = capacity_for_hit_ratio(
-                    trace,
-                    plan.tiers,
-                    plan.target,
-                    tier=plan.sweep_tier,
-                    policy=pol,
-                    kv_bytes_per_token=kv if key == "groups" else None,
-                    groups=groups,
-                    cost=plan.cost,
-                    inflight=args.inflight,
-                )
-                found = {
-                    "capacity_bytes": cap,
-                    "token_hit_ratio": r.token_hit_ratio,
-                    "stored_bytes": r.stored_bytes,
-                }
-                if key == "groups":
-                    entry.update(found)
-                else:
-                    entry["as_full"] = found
-            targets.append(entry)
+        for text, tiers in zip(args.tiers or ["cpu=64GiB"], plan.tier_sets, strict=True):
+            for pol in plan.policies:
+                entry: dict[str, Any] = {"policy": pol, "tier": plan.sweep_tier, "target": plan.target}
+                if len(plan.tier_sets) > 1:
+                    entry["tiers"] = text
+                for key, groups in (("groups", plan.groups), ("as_full", full)):
+                    if key == "as_full" and groups is None:
+                        continue
+                    cap, r = capacity_for_hit_ratio(
+                        trace,
+                        tiers,
+                        plan.target,
+                        tier=plan.sweep_tier,
+                        policy=pol,
+                        kv_bytes_per_token=kv if key == "groups" else None,
+                        groups=groups,
+                        model=plan.model if key == "groups" else None,
+                        cost=plan.cost,
+                        inflight=args.inflight,
+                    )
+                    found = {
+                        "capacity_bytes": cap,
+                        "token_hit_ratio": r.token_hit_ratio,
+                        "stored_bytes": r.stored_bytes,
+                    }
+                    if key == "groups":
+                        entry.update(found)
+                    else:
+                        entry["as_full"] = found
+                targets.append(entry)
     return _Extras(as_full, targets)
 
 
@@ -568,7 +679,14 @@ def _report(
     extras: _Extras | None = None,
 ) -> int:
     from .replay import TTFT_FORMULA, format_size, max_prefix_reuse
-    from .replay._report import groups_table, results_json, results_table, save_plot, tier_table
+    from .replay._report import (
+        encodings_table,
+        groups_table,
+        results_json,
+        results_table,
+        save_plot,
+        tier_table,
+    )
 
     kv = plan.kv_bytes_per_token
     block_bytes = trace.block_tokens * kv
@@ -593,6 +711,9 @@ def _report(
             "load_policy": plan.cost.load_policy,
             "inflight": args.inflight,
             "sweep_tier": plan.sweep_tier,
+            "tiers": list(
+                args.tiers or ["cpu=64GiB"]
+            ),  # each --tiers as given: its runs follow in that order
             "ttft_formula": TTFT_FORMULA,
         }
         if plan.groups is not None:
@@ -636,6 +757,10 @@ def _report(
         console.print(results_table(results))
         if len(results) == 1:
             console.print(tier_table(results[0]))
+        else:
+            encoded = encodings_table(results)
+            if encoded is not None:
+                console.print(encoded)
         if extras is not None:
             _print_extras(console, plan, results, extras)
         refs_per_s = sum(r.block_refs for r in results) / max(sum(r.elapsed_s for r in results), 1e-9)
@@ -677,7 +802,8 @@ def _print_extras(console: Any, plan: _ReplayPlan, results: list[ReplayResult], 
                 f"{r.policy}: stored {format_size(r.stored_bytes)}, retention saved {format_size(r.retention_saved_bytes)}"
             )
     for t in extras.targets:
-        head = f"capacity of {t['tier']} for {pct(t['target'])} token hits ({t['policy']}): "
+        which = t["policy"] + (f", --tiers {t['tiers']}" if "tiers" in t else "")
+        head = f"capacity of {t['tier']} for {pct(t['target'])} token hits ({which}): "
         cap = t["capacity_bytes"]
         line = head + (
             format_size(cap)

@@ -4,8 +4,11 @@ The cost model is deliberately simple and stated in full wherever its numbers ar
 
     prefill time of a request  = input_tokens / prefill_tokens_per_s
     with the cache             = (input_tokens - hit_tokens) / prefill_tokens_per_s
-                                 + sum over tiers t of loaded_blocks_t * block_bytes / bandwidth_t
+                                 + sum over tiers t of loaded_blocks_t * block_bytes_t / bandwidth_t
     TTFT saving                = hit_tokens / prefill_tokens_per_s - sum_t loaded_bytes_t / bandwidth_t
+
+``block_bytes_t`` is the block's bytes, or in a tier with an encoding (``TierConfig.encoding``) the encoded
+payload that tier's reads move; decoding is not modelled (see docs/replay.md, "Encoded tiers").
 
 Prefill cost is linear in tokens (attention's quadratic term, batching and queueing are ignored) and loads are
 not overlapped with compute. Summed over requests the saving is exact under this model, so it is computed from

@@ -11,11 +11,12 @@ from typing import Any
 from .._errors import InvalidArgumentError, MissingDependencyError
 from ._groups import GroupPlan, group_rows
 from ._model import TTFT_FORMULA, format_size
-from ._sim import ReplayResult
+from ._sim import ReplayResult, TierResult
 
 __all__ = [
     "PLOT_FORMATS",
     "check_plot_path",
+    "encodings_table",
     "groups_table",
     "require_matplotlib",
     "results_json",
@@ -40,22 +41,39 @@ def _seconds(s: float) -> str:
     return f"{s:.2f} s"
 
 
+def _tier_text(t: TierResult) -> str:
+    """A tier's capacity, and its encoding when it has one: ``2 TiB`` or ``2 TiB:encoding=fp8``."""
+    return format_size(t.capacity_bytes) + ("" if t.encoding is None else f":encoding={t.encoding}")
+
+
 def _capacities(r: ReplayResult, names: Sequence[str] | None = None) -> str:
-    return ", ".join(
-        f"{t.name}={format_size(t.capacity_bytes)}" for t in r.tiers if names is None or t.name in names
-    )
+    return ", ".join(f"{t.name}={_tier_text(t)}" for t in r.tiers if names is None or t.name in names)
+
+
+def _blocks(t: TierResult) -> str:
+    """The blocks (units) a tier's capacity holds, ``inf`` when it is unlimited."""
+    return "inf" if t.capacity_blocks is None else f"{t.capacity_blocks:,}"
+
+
+def _varying(results: Sequence[ReplayResult], tier_names: Sequence[str]) -> list[str]:
+    """The tiers whose capacity or encoding differs between ``results``."""
+    return [
+        name
+        for name in tier_names
+        if len({(t.capacity_bytes, t.encoding) for r in results for t in r.tiers if t.name == name}) > 1
+    ]
 
 
 def results_table(results: Sequence[ReplayResult], *, title: str | None = None) -> Any:
-    """One row per run: policy, the capacities that differ between runs, hit ratios (total and per tier),
-    bytes loaded, written (stored + staged) and evicted over all tiers, and the TTFT saving."""
+    """One row per run: policy, the capacities (and encodings) that differ between runs, the blocks each
+    encoded tier holds, hit ratios (total and per tier), bytes loaded, written (stored + staged) and evicted
+    over all tiers, and the TTFT saving."""
     from rich.table import Table
 
     tier_names = list(dict.fromkeys(t.name for r in results for t in r.tiers))
-    varying = [
-        name
-        for name in tier_names
-        if len({t.capacity_bytes for r in results for t in r.tiers if t.name == name}) > 1
+    varying = _varying(results, tier_names)
+    encoded = [
+        n for n in tier_names if any(t.encoding is not None for r in results for t in r.tiers if t.name == n)
     ]
     fixed = [name for name in tier_names if name not in varying]
     if title is None and results and fixed:
@@ -64,6 +82,8 @@ def results_table(results: Sequence[ReplayResult], *, title: str | None = None) 
     table.add_column("policy", no_wrap=True)
     for name in varying:
         table.add_column(name, justify="right", no_wrap=True)
+    for name in encoded:
+        table.add_column(f"{name} blocks", justify="right", no_wrap=True)
     table.add_column("block hits", justify="right")
     table.add_column("token hits", justify="right")
     if len(tier_names) > 1:
@@ -74,7 +94,8 @@ def results_table(results: Sequence[ReplayResult], *, title: str | None = None) 
     for r in results:
         per_tier = {t.name: t for t in r.tiers}
         cells = [r.policy]
-        cells += [format_size(per_tier[name].capacity_bytes) if name in per_tier else "-" for name in varying]
+        cells += [_tier_text(per_tier[name]) if name in per_tier else "-" for name in varying]
+        cells += [_blocks(per_tier[name]) if name in per_tier else "-" for name in encoded]
         cells += [_pct(r.block_hit_ratio), _pct(r.token_hit_ratio)]
         if len(tier_names) > 1:
             for name in tier_names:
@@ -92,19 +113,33 @@ def results_table(results: Sequence[ReplayResult], *, title: str | None = None) 
 
 
 def tier_table(result: ReplayResult) -> Any:
-    """Per-tier detail of one run; a tier's TTFT saving is its hit tokens' prefill time minus its load time."""
+    """Per-tier detail of one run: capacity, encoding, bytes a block takes in the tier, the blocks its capacity
+    holds, hits, bytes moved; a tier's TTFT saving is its hit tokens' prefill time minus its load time."""
     from rich.table import Table
 
     table = Table(title=f"{result.policy}: per tier")
     slots = "blocks" if result.groups is None else "units"  # with groups a tier holds units
-    cols = ("tier", "capacity", slots, "hits", "hit tokens", "loaded", "load time", "TTFT saved", "stored")
-    for col in (*cols, "staged", "evicted"):
-        table.add_column(col, justify="left" if col == "tier" else "right")
+    per = slots[:-1]
+    cols = (
+        "tier",
+        "capacity",
+        "encoding",
+        f"bytes/{per}",
+        slots,
+        "hits",
+        "hit tokens",
+        "loaded",
+        "load time",
+    )
+    for col in (*cols, "TTFT saved", "stored", "staged", "evicted"):
+        table.add_column(col, justify="left" if col in ("tier", "encoding") else "right")
     for t in result.tiers:
         table.add_row(
             t.name,
             format_size(t.capacity_bytes),
-            f"{t.slots:,}",
+            t.encoding or "-",
+            f"{t.entry_bytes or t.block_bytes:,}",
+            _blocks(t),
             _pct(t.hit_blocks / result.block_refs if result.block_refs else 0.0),
             f"{t.hit_tokens:,}",
             format_size(t.loaded_bytes),
@@ -113,6 +148,41 @@ def tier_table(result: ReplayResult) -> Any:
             format_size(t.stored_bytes),
             format_size(t.staged_bytes),
             format_size(t.evicted_bytes),
+        )
+    return table
+
+
+def encodings_table(results: Sequence[ReplayResult]) -> Any:
+    """The encoded tiers of ``results``, once per capacity and encoding: the bytes a block holds in the tier
+    (its payload, what a load moves) and takes of its capacity (the entry), and the blocks the capacity holds
+    (``None`` when no tier has an encoding)."""
+    from rich.table import Table
+
+    rows: dict[tuple[str, int | None, str], TierResult] = {}
+    for r in results:
+        for t in r.tiers:
+            if t.encoding is not None:
+                rows.setdefault((t.name, t.capacity_bytes, t.encoding), t)
+    if not rows:
+        return None
+    grouped = any(r.groups is not None for r in results)
+    per = "unit" if grouped else "block"
+    table = Table(
+        title="encoded tiers",
+        caption=f"payload: bytes a load moves per {per} (encoded); entry: bytes of capacity per {per} (header, "
+        "padding)",
+        caption_justify="left",
+    )
+    for col in ("tier", "capacity", "encoding", f"payload/{per}", f"entry/{per}", f"{per}s"):
+        table.add_column(col, justify="left" if col in ("tier", "encoding") else "right")
+    for t in rows.values():
+        table.add_row(
+            t.name,
+            format_size(t.capacity_bytes),
+            t.encoding,
+            f"{t.moved_bytes:,}",
+            f"{t.entry_bytes:,}",
+            _blocks(t),
         )
     return table
 
@@ -209,7 +279,8 @@ def save_plot(
     max_reuse: float | None = None,
     title: str | None = None,
 ) -> None:
-    """Block hit ratio against the capacity of ``sweep_tier``, one line per policy (log-scaled capacity)."""
+    """Block hit ratio against the capacity of ``sweep_tier``, one line per policy (log-scaled capacity), and
+    per tier configuration when the runs' other tiers or the swept tier's encoding differ."""
     require_matplotlib()
     import matplotlib
 
@@ -218,10 +289,19 @@ def save_plot(
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     by_policy: dict[str, list[tuple[float, float]]] = {}
+    # Runs of several tier configurations (--tiers given more than once): one line per policy and configuration.
+    names = list(dict.fromkeys(t.name for r in results for t in r.tiers))
+    others = _varying(results, [n for n in names if n != sweep_tier])
+    encodings = {t.encoding for r in results for t in r.tiers if t.name == sweep_tier}
     for r in results:
         tier = next(t for t in r.tiers if t.name == sweep_tier)
         cap = tier.capacity_bytes if tier.capacity_bytes is not None else r.unique_blocks * r.block_bytes
-        by_policy.setdefault(r.policy, []).append((cap / 2**30, 100 * r.block_hit_ratio))
+        label = r.policy
+        if len(encodings) > 1:
+            label += f", {sweep_tier} {tier.encoding or 'not encoded'}"
+        if others:
+            label += ", " + _capacities(r, others)
+        by_policy.setdefault(label, []).append((cap / 2**30, 100 * r.block_hit_ratio))
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "d")]  # identical curves stay visible
     for i, (policy, points) in enumerate(by_policy.items()):
         points.sort()

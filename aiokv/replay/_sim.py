@@ -27,7 +27,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .._errors import CapacityError, InvalidArgumentError, InvalidTypeError
@@ -41,8 +41,9 @@ from ..tiers import (
     make_policy,
     policy_names,
 )
+from ._encoding import TierSizing, check_tier_encoding, tier_sizing
 from ._groups import GroupPlan, KVGroups, group_rows
-from ._model import DEFAULT_BANDWIDTHS, TTFT_FORMULA, CostModel
+from ._model import DEFAULT_BANDWIDTHS, TTFT_FORMULA, CostModel, ModelPreset
 from ._trace import Trace
 
 __all__ = [
@@ -76,12 +77,19 @@ _NATIVE_MAX_UNIQUE = 2**31 - 1
 @dataclass(frozen=True, slots=True)
 class TierConfig:
     """One tier of the replayed hierarchy, fastest first. ``capacity_bytes=None`` is unlimited;
-    ``bandwidth`` (bytes/s) defaults by name (cpu, disk, redis); ``policy`` overrides the run's policy."""
+    ``bandwidth`` (bytes/s) defaults by name (cpu, disk, redis); ``policy`` overrides the run's policy.
+
+    ``encoding`` (``"raw"``, ``"fp8"`` or ``"int8"``, for a tier named ``disk``, ``redis`` or ``redis-cluster``)
+    sizes the tier as the real :class:`~aiokv.tiers.DiskTier` or Redis tier in that encoding sizes itself: its
+    blocks are entries of the encoded payload plus the tier's header (and, on disk, padding to 4 KiB), and its
+    loads move the encoded payload (see :mod:`aiokv.replay._encoding`). ``None`` (the default): capacity over
+    the engine's block bytes, as before encodings were modelled."""
 
     name: str
     capacity_bytes: int | None
     bandwidth: float | None = None
     policy: str | None = None
+    encoding: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -110,6 +118,7 @@ class TierConfig:
             raise InvalidTypeError(
                 f"policy of tier {self.name!r} must be a string or None, got {type(self.policy).__name__}"
             )
+        check_tier_encoding(self.name, self.encoding)
 
     def resolved_bandwidth(self) -> float:
         if self.bandwidth is not None:
@@ -144,24 +153,37 @@ class TierResult:
     unit_bytes: int = 0  # 0: one uniform cache (no groups)
     hit_units: int = 0
     skipped_units: int = 0
+    # How the tier stores a block (a unit, with groups): TierConfig.encoding (None: not modelled), the bytes of
+    # its capacity one takes (entry_bytes: header and padding included) and the bytes it holds and a load
+    # moves (payload_bytes: encoded); 0 stands for block_bytes. capacity_blocks: the blocks (units) its
+    # capacity holds, not capped at the trace's footprint as ``slots`` is (None: unlimited).
+    encoding: str | None = None
+    entry_bytes: int = 0
+    payload_bytes: int = 0
+    capacity_blocks: int | None = None
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes a load of one block (unit) from this tier moves, and a store writes: its payload."""
+        return self.payload_bytes or self.block_bytes
 
     @property
     def loaded_bytes(self) -> int:
         if self.unit_bytes:
-            return (self.hit_units - self.skipped_units) * self.unit_bytes
-        return (self.hit_blocks - self.skipped_blocks) * self.block_bytes
+            return (self.hit_units - self.skipped_units) * self.moved_bytes
+        return (self.hit_blocks - self.skipped_blocks) * self.moved_bytes
 
     @property
     def stored_bytes(self) -> int:
-        return self.stored_blocks * self.block_bytes
+        return self.stored_blocks * self.moved_bytes
 
     @property
     def staged_bytes(self) -> int:
-        return self.staged_blocks * self.block_bytes
+        return self.staged_blocks * self.moved_bytes
 
     @property
     def evicted_bytes(self) -> int:
-        return self.evicted_blocks * self.block_bytes
+        return self.evicted_blocks * self.moved_bytes
 
     @property
     def load_s(self) -> float:
@@ -284,20 +306,45 @@ def check_capacity(
     block_tokens: int,
     kv_bytes_per_token: int | None = None,
     groups: KVGroups | None = None,
+    model: ModelPreset | None = None,
 ) -> None:
     """Raise :class:`CapacityError` unless ``tier`` holds at least one block (with ``groups``: one key block
-    with every part, in units) (checked by :func:`replay`; callers may check before loading a trace)."""
+    with every part, in units; with an encoding: one entry of the tier, see :class:`TierConfig`), and
+    :class:`InvalidArgumentError` for an encoding the replay cannot size (without ``model``'s KV shape, or with
+    ``groups``) (checked by :func:`replay`; callers may check before loading a trace)."""
     if groups is not None:
         plan = groups.plan(block_tokens)
         need = plan.units * plan.unit_bytes
-        if tier.capacity_bytes is not None and tier.capacity_bytes < need:
+        sizing = tier_sizing(
+            tier.name, tier.encoding, plan.unit_bytes, block_tokens=block_tokens, model=None, grouped=True
+        )
+        held = sizing.blocks(tier.capacity_bytes)
+        if held is not None and held < plan.units:
+            entries = (
+                ""
+                if sizing.encoding is None
+                else f", entries of {sizing.entry_bytes} bytes in the tier (encoding {sizing.encoding!r})"
+            )
             raise CapacityError(
                 f"capacity of tier {tier.name!r} must hold at least one key block of {need} bytes "
-                f"({plan.units} units of {plan.unit_bytes} bytes), got {tier.capacity_bytes}"
+                f"({plan.units} units of {plan.unit_bytes} bytes{entries}), got {tier.capacity_bytes}"
             )
         return
     assert kv_bytes_per_token is not None
     block_bytes = block_tokens * kv_bytes_per_token
+    sizing = tier_sizing(
+        tier.name, tier.encoding, block_bytes, block_tokens=block_tokens, model=model, grouped=False
+    )
+    if sizing.encoding is not None:
+        held = sizing.blocks(tier.capacity_bytes)
+        if held is not None and held < 1:
+            raise CapacityError(
+                f"capacity of tier {tier.name!r} must hold at least one entry of {sizing.entry_bytes} bytes "
+                f"(a block of {block_tokens} tokens * {kv_bytes_per_token} bytes in encoding "
+                f"{sizing.encoding!r}: {sizing.payload_bytes} bytes, with the tier's header and padding), got "
+                f"{tier.capacity_bytes}"
+            )
+        return
     if tier.capacity_bytes is not None and tier.capacity_bytes < block_bytes:
         raise CapacityError(
             f"capacity of tier {tier.name!r} must hold at least one block of {block_bytes} bytes "
@@ -579,6 +626,33 @@ def _run_grouped(
     return c
 
 
+def _model_kv(model: ModelPreset | None, kv_bytes_per_token: int | None) -> int | None:
+    """``kv_bytes_per_token``, or ``model``'s when it is left out; both given must agree."""
+    if model is None:
+        return kv_bytes_per_token
+    if not isinstance(model, ModelPreset):
+        raise InvalidTypeError(
+            f"model must be an aiokv.replay.ModelPreset or None, got {type(model).__name__}"
+        )
+    if kv_bytes_per_token is None:
+        return model.kv_bytes_per_token
+    if kv_bytes_per_token != model.kv_bytes_per_token:
+        raise InvalidArgumentError(
+            f"kv_bytes_per_token must be model.kv_bytes_per_token ({model.kv_bytes_per_token}, {model.name}) "
+            f"or None when model is given, got {kv_bytes_per_token!r}"
+        )
+    return kv_bytes_per_token
+
+
+def _sizings(
+    tiers: Sequence[TierConfig], slot_bytes: int, block_tokens: int, model: ModelPreset | None, grouped: bool
+) -> list[TierSizing]:
+    return [
+        tier_sizing(t.name, t.encoding, slot_bytes, block_tokens=block_tokens, model=model, grouped=grouped)
+        for t in tiers
+    ]
+
+
 def replay(
     trace: Trace,
     tiers: Sequence[TierConfig],
@@ -589,13 +663,16 @@ def replay(
     inflight: int = 0,
     progress: ProgressFn | None = None,
     groups: KVGroups | None = None,
+    model: ModelPreset | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through one :class:`BlockIndex` per tier (see the module docstring for the rules).
 
     ``inflight`` models concurrent prefills: a request's recomputed blocks are stored only after the next
     ``inflight`` requests have looked up (0: before the next request). Give either ``kv_bytes_per_token`` (one
-    uniform cache) or ``groups`` (the model's KV-cache groups: each key block is stored as the offloader stores
-    a grouped layout's, in units, and hits follow the group rule; see :func:`_run_grouped`).
+    uniform cache), or ``model`` (its KV bytes per token and its KV shape, which a tier's ``encoding`` other
+    than ``raw`` needs to size its blocks; ``kv_bytes_per_token`` may be given too and must then agree), or
+    ``groups`` (the model's KV-cache groups: each key block is stored as the offloader stores a grouped
+    layout's, in units, and hits follow the group rule; see :func:`_run_grouped`).
     """
     if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 0:
         raise InvalidArgumentError(f"inflight must be an int >= 0, got {inflight!r}")
@@ -613,12 +690,15 @@ def replay(
             raise InvalidArgumentError(
                 "kv_bytes_per_token must be None when groups are given (they give the bytes)"
             )
+        if model is not None:
+            raise InvalidArgumentError("model must be None when groups are given (they give the bytes)")
         plan = groups.plan(bt)
         kv_bytes_per_token = plan.kv_bytes_per_token
         block_bytes = plan.block_bytes
         slot_bytes = plan.unit_bytes
         max_slots = max(trace.unique_blocks * plan.units, 1)
     else:
+        kv_bytes_per_token = _model_kv(model, kv_bytes_per_token)
         if (
             isinstance(kv_bytes_per_token, bool)
             or not isinstance(kv_bytes_per_token, int)
@@ -634,12 +714,16 @@ def replay(
         _check_policy(name)
     bandwidths = [t.resolved_bandwidth() for t in tiers]
     for cfg in tiers:
-        check_capacity(cfg, block_tokens=bt, kv_bytes_per_token=kv_bytes_per_token, groups=groups)
+        check_capacity(
+            cfg, block_tokens=bt, kv_bytes_per_token=kv_bytes_per_token, groups=groups, model=model
+        )
+    sizings = _sizings(tiers, slot_bytes, bt, model, plan is not None)
     indexes: list[BlockIndex] = []
-    for cfg, pol in zip(tiers, policies, strict=True):
+    for cfg, pol, sizing in zip(tiers, policies, sizings, strict=True):
         slots = max_slots
-        if cfg.capacity_bytes is not None:
-            slots = min(cfg.capacity_bytes // slot_bytes, slots)
+        held = sizing.blocks(cfg.capacity_bytes)
+        if held is not None:
+            slots = min(held, slots)
         indexes.append(BlockIndex(slots, make_policy(pol, slots)))
 
     gc_was_enabled = gc.isenabled()
@@ -682,8 +766,15 @@ def replay(
         decide_bytes = plan.unit_bytes * max(
             1, round(sum(hit_units) / sum(hit_blocks)) if sum(hit_blocks) else plan.units
         )
+    # An encoded tier moves its payload per block: to the planner, which weighs engine bytes, that is the
+    # tier's bandwidth scaled by engine bytes per payload byte (the codec's time is not modelled).
     restored = cost.restored_tiers(
-        [(t.name, bw) for t, bw in zip(tiers, bandwidths, strict=True)], decide_bytes, bt
+        [
+            (t.name, bw * slot_bytes / sizing.payload_bytes)
+            for t, bw, sizing in zip(tiers, bandwidths, sizings, strict=True)
+        ],
+        decide_bytes,
+        bt,
     )
     results = tuple(
         TierResult(
@@ -700,6 +791,10 @@ def replay(
             block_bytes=slot_bytes,
             skipped_blocks=hit_blocks[t] if t >= restored else 0,
             skipped_tokens=hit_tokens[t] if t >= restored else 0,
+            encoding=sizing.encoding,
+            entry_bytes=sizing.entry_bytes,
+            payload_bytes=sizing.payload_bytes,
+            capacity_blocks=sizing.blocks(cfg.capacity_bytes),
             **(
                 {}
                 if plan is None
@@ -710,7 +805,9 @@ def replay(
                 }
             ),
         )
-        for t, (cfg, pol, bw, index) in enumerate(zip(tiers, policies, bandwidths, indexes, strict=True))
+        for t, (cfg, pol, bw, index, sizing) in enumerate(
+            zip(tiers, policies, bandwidths, indexes, sizings, strict=True)
+        )
     )
     return ReplayResult(
         trace=trace.name,
@@ -734,11 +831,12 @@ def replay(
     )
 
 
-def auto_capacities(trace: Trace, block_bytes: int, points: int = 9) -> list[int]:
-    """Capacities from about 1/256 of the trace's footprint (unique blocks) up to all of it, doubling."""
+def auto_capacities(trace: Trace, block_bytes: int, points: int = 9, *, at_least: int = 0) -> list[int]:
+    """Capacities from about 1/256 of the trace's footprint (unique blocks) up to all of it, doubling; any
+    below ``at_least`` (what one block takes in an encoded tier: its entry) is raised to it."""
     top = max(trace.unique_blocks, 1)
     blocks = [max(1, top >> i) for i in range(points - 1, -1, -1)]
-    return sorted({b * block_bytes for b in blocks})
+    return sorted({max(b * block_bytes, at_least) for b in blocks})
 
 
 def sweep(
@@ -754,8 +852,10 @@ def sweep(
     progress: ProgressFn | None = None,
     on_result: Callable[[ReplayResult], None] | None = None,
     groups: KVGroups | None = None,
+    model: ModelPreset | None = None,
 ) -> list[ReplayResult]:
-    """One :func:`replay` per (policy, capacity of ``sweep_tier``), policies outermost."""
+    """One :func:`replay` per (policy, capacity of ``sweep_tier``), policies outermost (the swept tier keeps its
+    bandwidth, policy and encoding)."""
     names = [t.name for t in tiers]
     if sweep_tier not in names:
         raise InvalidArgumentError(f"sweep tier must be one of the tiers {names}, got {sweep_tier!r}")
@@ -764,9 +864,7 @@ def sweep(
     results: list[ReplayResult] = []
     for pol in policies:
         for cap in capacities:
-            run_tiers = [
-                TierConfig(t.name, cap, t.bandwidth, t.policy) if t.name == sweep_tier else t for t in tiers
-            ]
+            run_tiers = [replace(t, capacity_bytes=cap) if t.name == sweep_tier else t for t in tiers]
             result = replay(
                 trace,
                 run_tiers,
@@ -776,6 +874,7 @@ def sweep(
                 inflight=inflight,
                 progress=progress,
                 groups=groups,
+                model=model,
             )
             results.append(result)
             if on_result is not None:
@@ -794,36 +893,46 @@ def capacity_for_hit_ratio(
     groups: KVGroups | None = None,
     cost: CostModel,
     inflight: int = 0,
+    model: ModelPreset | None = None,
 ) -> tuple[int | None, ReplayResult]:
     """The smallest capacity of ``tier`` (default: the first; the others as given) at which the replay's
-    token hit ratio reaches ``target`` (0 < target <= 1), to one slot (a block, or a unit with ``groups``),
-    and the replay at that capacity. Bisection over the slot count: it assumes the hit ratio does not fall as
-    the capacity grows (so for LRU on one tier; with other policies the answer is one capacity that reaches
-    the target). ``(None, the unlimited replay)`` when even an unlimited tier falls short."""
+    token hit ratio reaches ``target`` (0 < target <= 1), to one slot (a block, or a unit with ``groups``; an
+    entry of the tier with an encoding), and the replay at that capacity. Bisection over the slot count: it
+    assumes the hit ratio does not fall as the capacity grows (so for LRU on one tier; with other policies the
+    answer is one capacity that reaches the target). ``(None, the unlimited replay)`` when even an unlimited
+    tier falls short."""
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
         raise InvalidArgumentError(f"target hit ratio must be in (0, 1], got {target!r}")
     names = [t.name for t in tiers]
     name = names[0] if tier is None and names else tier
     if name not in names:
         raise InvalidArgumentError(f"tier must be one of the tiers {names}, got {name!r}")
+    searched = tiers[names.index(name)]
+    bt = trace.block_tokens
     if groups is not None:
-        plan = groups.plan(trace.block_tokens)
+        plan = groups.plan(bt)
         slot, lo, hi = plan.unit_bytes, plan.units, max(trace.unique_blocks * plan.units, plan.units)
     else:
+        kv_bytes_per_token = _model_kv(model, kv_bytes_per_token)
         if kv_bytes_per_token is None:
-            raise InvalidArgumentError("kv_bytes_per_token or groups must be given")
-        slot, lo, hi = trace.block_tokens * kv_bytes_per_token, 1, max(trace.unique_blocks, 1)
+            raise InvalidArgumentError("kv_bytes_per_token, model or groups must be given")
+        slot, lo, hi = bt * kv_bytes_per_token, 1, max(trace.unique_blocks, 1)
+    # The tier's slots are its entries: their bytes with an encoding (header, padding, encoded payload).
+    slot = tier_sizing(
+        name, searched.encoding, slot, block_tokens=bt, model=model, grouped=groups is not None
+    ).entry_bytes
 
     def run(slots: int | None) -> ReplayResult:
         cap = None if slots is None else slots * slot
         return replay(
             trace,
-            [TierConfig(t.name, cap, t.bandwidth, t.policy) if t.name == name else t for t in tiers],
+            [replace(t, capacity_bytes=cap) if t.name == name else t for t in tiers],
             policy=policy,
             kv_bytes_per_token=kv_bytes_per_token,
             groups=groups,
             cost=cost,
             inflight=inflight,
+            model=model,
         )
 
     best = run(None)
