@@ -34,8 +34,6 @@ __all__ = ["ENCODED_TIER_KINDS", "TierSizing", "check_tier_encoding", "encoded_b
 ENCODED_TIER_KINDS = {"disk": "disk", "redis": "redis", "redis-cluster": "redis"}
 """The tier names that may carry an encoding and the real tier they stand for (the persistent tiers)."""
 
-_DISK_SEGMENT_BYTES = 1 << 30  # DiskTier's default segment_bytes (it does not change the slot count)
-
 
 @dataclass(frozen=True, slots=True)
 class TierSizing:
@@ -53,9 +51,9 @@ class TierSizing:
         if capacity_bytes is None:
             return None
         if self.kind == "disk":
-            from ..tiers.disk._geometry import _Geometry
+            from ..tiers import tier_entry
 
-            return _Geometry(self.payload_bytes, capacity_bytes, _DISK_SEGMENT_BYTES).num_slots
+            return tier_entry("disk", self.payload_bytes, capacity_bytes)[1]
         return capacity_bytes // self.entry_bytes
 
 
@@ -64,18 +62,18 @@ def check_tier_encoding(name: str, encoding: object) -> str | None:
     persistent tier (:data:`ENCODED_TIER_KINDS`)."""
     if encoding is None:
         return None
-    from ..tiers._codec import ENCODINGS, check_encoding  # torch: only when an encoding is asked for
+    from ..tiers import TIER_ENCODINGS
 
-    if not isinstance(encoding, str) or encoding not in ENCODINGS:
+    if not isinstance(encoding, str) or encoding not in TIER_ENCODINGS:
         raise InvalidArgumentError(
-            f"encoding of tier {name!r} must be one of {list(ENCODINGS)} (or left out), got {encoding!r}"
+            f"encoding of tier {name!r} must be one of {list(TIER_ENCODINGS)} (or left out), got {encoding!r}"
         )
     if name not in ENCODED_TIER_KINDS:
         raise InvalidArgumentError(
             f"encoding of tier {name!r} must not be set, got {encoding!r}: encodings apply to the persistent "
             "tiers, named 'disk', 'redis' or 'redis-cluster' in a replay (the CPU tier holds the engine's bytes)"
         )
-    return check_encoding(encoding)
+    return encoding
 
 
 def encoded_block_bytes(model: ModelPreset, block_tokens: int, encoding: str) -> int:
@@ -83,7 +81,7 @@ def encoded_block_bytes(model: ModelPreset, block_tokens: int, encoding: str) ->
     ``encoded_bytes``; the block's bytes for ``raw``, and for a 1-byte dtype, which the codec stores raw)."""
     import torch
 
-    from ..tiers._codec import SegmentSpec, make_codec
+    from ..tiers import SegmentSpec, encoded_payload_bytes
 
     dtypes = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
     dtype = dtypes.get(model.dtype_bytes)
@@ -95,8 +93,7 @@ def encoded_block_bytes(model: ModelPreset, block_tokens: int, encoding: str) ->
     layer_bytes = 2 * block_tokens * model.kv_heads * model.head_dim * model.dtype_bytes  # K and V
     segments = tuple(SegmentSpec(i * layer_bytes, 2, inner, dtype) for i in range(model.layers))
     decoded = model.layers * layer_bytes
-    codec = make_codec(encoding, segments, decoded)
-    return decoded if codec is None else codec.encoded_bytes
+    return encoded_payload_bytes(encoding, segments, decoded)
 
 
 def tier_sizing(
@@ -135,12 +132,7 @@ def tier_sizing(
                 f"{slot_bytes // block_tokens}, got {model.kv_bytes_per_token} ({model.name})"
             )
         payload = encoded_block_bytes(model, block_tokens, encoding)
-    if kind == "disk":
-        from ..tiers.disk._geometry import _Geometry
+    from ..tiers import tier_entry
 
-        entry = _Geometry(payload, 0, _DISK_SEGMENT_BYTES).entry_bytes
-    else:
-        from ..tiers._format import HEADER_SIZE
-
-        entry = HEADER_SIZE + payload
+    entry = tier_entry(kind, payload)[0]
     return TierSizing(encoding, payload, entry, kind)

@@ -9,6 +9,7 @@ from .. import _lazy
 
 if typing.TYPE_CHECKING:
     from ._base import BackingTier, TierHealth, TierSpec
+    from ._codec import SegmentSpec
     from ._cpu import CPUTier, CPUTierStats
     from ._faulty import FaultyTier, FaultyTierStats
     from ._index import BlockIndex, EntryState
@@ -25,6 +26,7 @@ if typing.TYPE_CHECKING:
     )
     from ._settings import TierSetting, check_tier_paths, parse_tiers
     from ._shm import SharedMemoryTier
+    from ._sizing import TIER_ENCODINGS, encoded_payload_bytes, tier_entry
     from .disk import DiskTier, DiskTierStats
     from .redis import RedisTier, RedisTierStats
 
@@ -43,6 +45,10 @@ __getattr__, __dir__ = _lazy.attach(
         "RedisTier": ".redis",
         "RedisTierStats": ".redis",
         "SharedMemoryTier": "._shm",
+        "SegmentSpec": "._codec",
+        "TIER_ENCODINGS": "._sizing",
+        "encoded_payload_bytes": "._sizing",
+        "tier_entry": "._sizing",
         "TierSetting": "._settings",
         "check_tier_paths": "._settings",
         "parse_tiers": "._settings",
@@ -77,14 +83,18 @@ __all__ = [
     "LRUPolicy",
     "RedisTier",
     "RedisTierStats",
+    "SegmentSpec",
     "SessionPolicy",
     "SharedMemoryTier",
+    "TIER_ENCODINGS",
     "TierHealth",
     "TierSetting",
     "TierSpec",
     "check_tier_paths",
+    "encoded_payload_bytes",
     "make_policy",
     "parse_tiers",
     "policy_names",
     "register_policy",
+    "tier_entry",
 ]

@@ -35,6 +35,7 @@ import torch
 
 from .._errors import InvalidArgumentError
 from ._base import TierSpec
+from ._sizing import TIER_ENCODINGS
 
 try:
     from .._native import _codec as _native_codec
@@ -54,7 +55,7 @@ __all__ = [
     "segments_of",
 ]
 
-ENCODINGS = ("raw", "fp8", "int8")
+ENCODINGS = TIER_ENCODINGS
 """The encodings a persistent tier accepts (``encoding=``)."""
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

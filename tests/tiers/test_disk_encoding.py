@@ -387,3 +387,36 @@ def test_tiers_setting_refuses_a_bad_encoding(text: str, match: str) -> None:
 
     with pytest.raises(InvalidArgumentError, match=match):
         parse_tiers(text)
+
+
+# ---------------------------------------------------------------------------------------- sizing, public
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("encoding", ["raw", "fp8", "int8"])
+async def test_tier_entry_and_encoded_payload_bytes_are_what_an_open_tier_reports(
+    tmp_path: Path, encoding: str
+) -> None:
+    from aiokv.tiers import encoded_payload_bytes, tier_entry
+
+    layout = aiokv.KVLayout(_kv(2, torch.bfloat16), block_size=BS)
+    payload = encoded_payload_bytes(encoding, segments_of(layout), layout.slot_bytes)
+    tier = DiskTier(tmp_path / "d", 3 << 20, encoding=encoding, preallocate=False)
+    await tier.open(TierSpec(layout.slot_bytes, layout.fingerprint, BS, "t", segments_of(layout)))
+    try:
+        st = tier.stats()
+        assert tier_entry("disk", payload, 3 << 20) == (st.entry_bytes, st.num_slots)
+    finally:
+        await tier.aclose()
+    assert tier_entry("redis", payload) == (HEADER_SIZE + payload, None)
+
+
+def test_tier_entry_refuses_bad_arguments() -> None:
+    from aiokv.tiers import tier_entry
+
+    with pytest.raises(InvalidArgumentError, match="kind must be"):
+        tier_entry("cpu", 100)
+    with pytest.raises(InvalidArgumentError, match="payload_bytes must be"):
+        tier_entry("disk", 0)
+    with pytest.raises(InvalidArgumentError, match="capacity_bytes must be"):
+        tier_entry("redis", 10, -1)
